@@ -1,0 +1,33 @@
+# Two commands work on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+MODEL ?= smollm2
+PORT ?= 8000
+EXTRAS ?= engine,gateway,operator,dev
+STAMP := .deps-installed
+
+.PHONY: run test install model lint bench-cpu clean
+
+$(STAMP): pyproject.toml
+	$(PIP) install --progress-bar off -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(PYTHON) -m lockstep.cli fetch $(MODEL)
+
+run: model
+	$(PYTHON) -m lockstep.cli serve $(MODEL) --port $(PORT)
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+lint: install
+	lint-imports
+
+bench-cpu: model
+	$(PYTHON) -m lockstep.cli bench throughput $(MODEL) --workload sharegpt-synth --num-prompts 200 --num-scheduler-steps 1 8
+
+clean:
+	rm -f $(STAMP)

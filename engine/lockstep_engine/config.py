@@ -1,0 +1,105 @@
+"""`EngineConfig`: the one frozen configuration of an engine process, validated once.
+
+Field names follow vLLM's engine arguments so a vLLM user's flags carry over.
+No torch here: the scheduler and block manager read this too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal, Union
+
+MAX_SCHEDULER_STEPS = 64
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field, the value and the range."""
+
+
+def _require(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}")
+
+
+def parse_num_scheduler_steps(value: Union[int, str]) -> Union[int, str]:
+    """Accepts 1..64 or 'auto' (also as strings from the command line)."""
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(
+                f"num_scheduler_steps={value!r} is invalid: expected an integer in [1, {MAX_SCHEDULER_STEPS}] or 'auto'"
+            ) from None
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SCHEDULER_STEPS,
+        "num_scheduler_steps", value, f"an integer in [1, {MAX_SCHEDULER_STEPS}] or 'auto'",
+    )
+    return value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    num_scheduler_steps: Union[int, str] = 8
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len) capped by chunked prefill
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None  # fixed KV cache size in blocks (tests, CPU)
+    kv_cache_memory_bytes: int | None = None  # CPU default: 2 GiB
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    enforce_eager: bool = False
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_scheduler_steps", parse_num_scheduler_steps(self.num_scheduler_steps))
+        _require(isinstance(self.model, str) and bool(self.model), "model", self.model, "a model source")
+        _require(1 <= self.max_num_seqs <= 65536, "max_num_seqs", self.max_num_seqs, "an integer in [1, 65536]")
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, "a positive integer")
+        if self.max_num_batched_tokens is not None:
+            _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
+                     "a positive integer")
+        _require(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "one of 8, 16, 32, 64, 128")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization,
+                 "a fraction in (0, 1]")
+        if self.num_gpu_blocks_override is not None:
+            _require(self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override", self.num_gpu_blocks_override,
+                     "a positive integer")
+        _require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", self.dtype,
+                 "one of auto, float32, float16, bfloat16")
+        _require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "one of auto, cpu, cuda")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", self.pipeline_parallel_size,
+                 "an integer >= 1")
+        _require(self.attention_backend in ("auto", "torch", "triton"), "attention_backend", self.attention_backend,
+                 "one of auto, torch, triton")
+        _require(0 <= self.max_logprobs <= 100, "max_logprobs", self.max_logprobs, "an integer in [0, 100]")
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.num_scheduler_steps == AUTO
+
+    def with_model_limits(self, model_max_len: int) -> "EngineConfig":
+        """Resolves max_model_len / max_num_batched_tokens against the model's context length."""
+        max_len = self.max_model_len or model_max_len
+        _require(max_len <= model_max_len, "max_model_len", self.max_model_len,
+                 f"at most the model's context length {model_max_len}")
+        batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            _require(batched >= max_len, "max_num_batched_tokens", batched,
+                     f">= max_model_len ({max_len}) when chunked prefill is off")
+        return replace(self, max_model_len=max_len, max_num_batched_tokens=batched)

@@ -1,0 +1,115 @@
+"""`LLMEngine`: model, engine core and output processing in one process (offline use and tests)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+from lockstep_engine.config import EngineConfig
+from lockstep_engine.engine_core import CoreOutput, EngineCore
+from lockstep_engine.model_runner import ModelRunner
+from lockstep_engine.output_processor import OutputProcessor, RequestState
+from lockstep_engine.outputs import CompletionOutput, RequestOutput
+from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
+from lockstep_engine.sequence import Request
+from lockstep_engine.sources import resolve
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        source = resolve(config.model, seed=config.seed)
+        self.tokenizer = source.load_tokenizer() if source.load_tokenizer else None
+        self.config = config.with_model_limits(source.config.max_position_embeddings)
+        self.model_config = source.config
+        self.runner = ModelRunner(self.config, source)
+        self.core = EngineCore(self.config, self.runner)
+        self.processor = OutputProcessor(self.tokenizer, source.config.eos_token_ids)
+        self._seed_rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._updated: dict[str, RequestState] = {}
+
+    # ---- inputs -----------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompt: model {self.config.model!r} has no tokenizer; send token ids instead of text")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise SamplingParamsError("prompt", token_ids, "at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise SamplingParamsError("prompt", bad, f"token ids in [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise SamplingParamsError("prompt", f"<{len(token_ids)} tokens>",
+                                      f"fewer than max_model_len={limit} tokens (leaving room for one output token)")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validates and queues a request; raises SamplingParamsError naming the bad field."""
+        params.validate(self.config.max_logprobs)
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise SamplingParamsError(field_name, bad, f"token ids in [0, {vocab})")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.config.max_model_len:
+            # Like vLLM: max_tokens may not run past the context window.
+            raise SamplingParamsError("max_tokens", params.max_tokens,
+                                      f"at most {self.config.max_model_len - len(token_ids)} "
+                                      f"(max_model_len={self.config.max_model_len} minus {len(token_ids)} prompt tokens)")
+        request_id = request_id or f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        request = Request(request_id, token_ids, params, self.config.max_model_len, seed, prompt=text,
+                          arrival_time=arrival_time or time.monotonic())
+        self.core.add_request(request)
+        self.processor.add_request(request_id, text, token_ids, params)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        for output in self.core.abort_request(request_id):
+            self._apply(output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished()
+
+    # ---- loop -------------------------------------------------------------------------------
+    def _apply(self, output: CoreOutput) -> None:
+        state, stop = self.processor.process(output)
+        if state is None:
+            return
+        if stop is not None:
+            self.core.stop_sequence(output.request_id, output.index, stop)
+        self._updated[output.request_id] = state
+
+    def step(self, on_step=None) -> list[RequestOutput]:
+        """Runs one window; returns the requests it changed. `on_step(outputs)` sees every step."""
+        def emit(outputs: list[CoreOutput]) -> None:
+            for output in outputs:
+                self._apply(output)
+            if on_step is not None:
+                on_step(outputs)
+
+        self.core.step(emit)
+        updated, self._updated = self._updated, {}
+        results = []
+        for request_id, state in updated.items():
+            result = self._to_output(state)
+            results.append(result)
+            if result.finished:
+                self.processor.remove(request_id)
+        return results
+
+    def _to_output(self, state: RequestState) -> RequestOutput:
+        request = self.core.requests.get(state.request_id)
+        outputs = [CompletionOutput(s.index, s.text, list(s.token_ids),
+                                    list(s.logprobs) if state.params.logprobs is not None else None,
+                                    s.finish_reason, s.stop_reason) for s in state.sequences]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished,
+                             num_cached_tokens=request.num_cached_tokens if request else 0)

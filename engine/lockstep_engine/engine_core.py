@@ -1,0 +1,207 @@
+"""`EngineCore`: the loop `schedule -> run window -> update`, emitting tokens per step.
+
+The core decides the stops the device can see (EOS, stop token ids, max_tokens, max_model_len).
+Stop strings are the output processor's call: it stops a sequence through `stop_sequence`, and any
+token the window computed for it afterwards is counted as wasted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lockstep_engine.block_manager import BlockManager
+from lockstep_engine.config import EngineConfig
+from lockstep_engine.model_runner import ModelRunner, StepOutput, WindowTimings
+from lockstep_engine.scheduler import Scheduler, SchedulerLimits, WindowPlan
+from lockstep_engine.sequence import Request, Sequence, SequenceStatus, TokenLogprobs
+
+
+@dataclass
+class CoreOutput:
+    """New tokens of one sequence, as the core emits them (one per step)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class CoreStats:
+    num_windows: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_wasted_tokens: int = 0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    output_s: float = 0.0
+    update_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)
+    window_steps: list[int] = field(default_factory=list)
+    step_batch_sizes: list[int] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner):
+        self.config = config
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerLimits(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=config.max_model_len, num_scheduler_steps=config.num_scheduler_steps,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            self.blocks)
+        self.requests: dict[str, Request] = {}
+        self.stats = CoreStats()
+        self._eos = set(runner.model_config.eos_token_ids)
+        self._in_flight: WindowPlan | None = None
+        self._pending_release: list[Sequence] = []  # finished, blocks freed when no window is in flight
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if request.prompt_len + 1 > capacity:
+            raise ValueError(f"prompt of {request.prompt_len} tokens does not fit the KV cache "
+                             f"({capacity} token slots)")
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> list[CoreOutput]:
+        """Aborts a request at any time; blocks of a sequence in flight are freed when its window ends."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return []
+        request.aborted = True
+        outputs = []
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                outputs.append(CoreOutput(request_id, seq.index, [], None, "abort"))
+        if not self._in_flight:
+            self._release_finished()
+        return outputs
+
+    def stop_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+        """The output processor found a stop string: the sequence ends at the token it last saw."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        seq = request.sequences[index]
+        if not seq.is_finished:
+            seq.stop_reason = stop_reason
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if not self._in_flight:
+            self._release_finished()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status = status
+        self._pending_release.append(seq)
+
+    def _release_finished(self) -> None:
+        for seq in self._pending_release:
+            self.scheduler.finish(seq, seq.status)
+        self._pending_release = []
+        for request_id in [rid for rid, r in self.requests.items() if r.is_finished or r.aborted and
+                           all(s.is_finished for s in r.sequences)]:
+            del self.requests[request_id]
+
+    def step(self, emit: Callable[[list[CoreOutput]], None]) -> WindowTimings | None:
+        """Plans and runs one window; `emit` receives each step's outputs as the step completes."""
+        started = time.perf_counter()
+        self.scheduler.fork_ready_requests([r for r in self.requests.values() if not r.forked])
+        plan = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - started
+        if plan is None:
+            return None
+        now = time.monotonic()
+        for row in plan.rows:
+            if row.seq.first_scheduled_time is None:
+                row.seq.first_scheduled_time = now
+        sampling = plan.sampling_rows
+        accepted = [0] * len(sampling)
+
+        def on_step(step: StepOutput) -> None:
+            outputs = []
+            for i, token in enumerate(step.tokens):
+                if token < 0:
+                    continue
+                seq = sampling[i].seq
+                if seq.is_finished:
+                    continue  # stopped or aborted by the host earlier in this window
+                accepted[i] += 1
+                outputs.append(self._append_token(seq, token, step, i))
+            self.stats.num_generated_tokens += len(outputs)
+            self.stats.step_batch_sizes.append(len(sampling))
+            emit(outputs)
+
+        self._in_flight = plan
+        try:
+            timings = self.runner.execute_window(plan, on_step)
+        finally:
+            self._in_flight = None
+        update_start = time.perf_counter()
+        # A row that finished before the window's last step kept computing: those tokens were wasted.
+        executed = len(timings.forward_s)
+        for i, row in enumerate(sampling):
+            if row.seq.is_finished:
+                self.stats.num_wasted_tokens += max(executed - accepted[i], 0)
+        sampled = {id(row): accepted[i] for i, row in enumerate(sampling)}
+        for row in plan.rows:
+            self.scheduler.complete_row(row, sampled.get(id(row), 0))
+        self._release_finished()
+        stats = self.stats
+        stats.num_windows += 1
+        stats.num_steps += executed
+        stats.window_steps.append(plan.num_steps)
+        stats.num_prompt_tokens_computed += sum(r.num_new_tokens for r in plan.rows if r.num_new_tokens > 1)
+        stats.schedule_s += schedule_s
+        stats.prepare_s += timings.prepare_s
+        stats.forward_s += sum(timings.forward_s)
+        stats.output_s += timings.output_s
+        stats.gaps_s += timings.gaps_s
+        stats.update_s += time.perf_counter() - update_start
+        return timings
+
+    def _append_token(self, seq: Sequence, token: int, step: StepOutput, i: int) -> CoreOutput:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        logprobs = None
+        if step.logprobs is not None and seq.request.params.logprobs is not None:
+            k = seq.request.params.logprobs
+            top = list(zip(step.top_ids[i][:k], step.top_logprobs[i][:k])) if step.top_ids is not None else []
+            entry = TokenLogprobs(token, step.logprobs[i], step.ranks[i], top)
+            seq.logprobs.append(entry)
+            logprobs = [entry]
+        params = seq.request.params
+        finish, stop_reason = None, None
+        if (token in params.stop_token_ids or (token in self._eos and not params.ignore_eos)) \
+                and seq.num_output_tokens >= params.min_tokens:
+            finish = "stop"
+            stop_reason = token if token in params.stop_token_ids else None
+            seq.stop_reason = stop_reason
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+        elif seq.remaining_tokens <= 0:
+            finish = "length"
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+        return CoreOutput(seq.request.request_id, seq.index, [token], logprobs, finish, stop_reason)

@@ -1,0 +1,308 @@
+"""`ModelRunner`: runs a multi-step window on the device.
+
+Step 1 of a window computes every row's scheduled tokens (prefill chunks and decodes mixed) and
+samples for the rows that reached their target. Steps 2..N run those rows as a decode batch whose
+inputs advance on the device: the token sampled at step k is the input of step k+1, positions,
+sequence lengths and slots move with it, and a row that stops (EOS, stop token, max_tokens,
+max_model_len) writes to the sink slot from then on. Each step's tokens go to the host for
+streaming; nothing the next step needs comes back from the host.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lockstep_engine.attention import AttentionMetadata, make_backend
+from lockstep_engine.config import EngineConfig
+from lockstep_engine.models.llama import LlamaForCausalLM
+from lockstep_engine.parallel import SINGLE, ParallelState
+from lockstep_engine.sampler import Sampler, SamplingTensors, row_seed
+from lockstep_engine.scheduler import WindowPlan
+from lockstep_engine.sources import ModelSource, log
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device (expected cpu or auto)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if "float16" == checkpoint_dtype else torch.bfloat16
+
+
+@dataclass
+class StepOutput:
+    """One step of a window on the host: a token per sampling row, or -1 where the row was done."""
+
+    step: int
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class WindowTimings:
+    prepare_s: float = 0.0
+    forward_s: list[float] = field(default_factory=list)  # per step: forward + sample + advance
+    output_s: float = 0.0  # host callbacks (output processing)
+    gaps_s: list[float] = field(default_factory=list)  # idle between the end of step k and start of k+1
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, state: ParallelState = SINGLE):
+        self.config = config
+        self.model_config = source.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, source.config.dtype)
+        self.state = state
+        mc = source.config
+        self.backend = make_backend(config.attention_backend, mc.num_attention_heads // state.tp_size,
+                                    max(mc.num_key_value_heads // state.tp_size, 1), mc.head_dim,
+                                    config.block_size, self.device)
+        started = time.monotonic()
+        with torch.device(self.device):
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = LlamaForCausalLM(mc, state, self.backend)
+            finally:
+                torch.set_default_dtype(previous)
+        self._load_weights(source)
+        log(f"loaded {source.spec} on {self.device} as {str(self.dtype).removeprefix('torch.')} "
+            f"in {time.monotonic() - started:.1f}s")
+        self.sampler = Sampler()
+        self.block_size = config.block_size
+        self.num_blocks = self._count_kv_blocks()
+        self._allocate_kv_cache()
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _load_weights(self, source: ModelSource) -> None:
+        total, step, loaded = source.num_tensors, max(source.num_tensors // 10, 1), 0
+
+        def progress():
+            nonlocal loaded
+            for index, item in enumerate(source.iter_weights(self.device)):
+                if index % step == 0:
+                    log(f"loading weights {100 * index // max(total, 1)}%")
+                yield item
+                loaded += 1
+
+        self.model.load_weights(progress())
+        log("loading weights 100%")
+
+    def _kv_bytes_per_block(self) -> int:
+        attn = self.model.attention_layers()[0]
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.finfo(self.dtype).bits // 8
+        return per_token * self.block_size * len(self.model.attention_layers())
+
+    def _count_kv_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        per_block = self._kv_bytes_per_block()
+        if self.device.type == "cpu":
+            return max((self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // per_block, 1)
+        if self.config.kv_cache_memory_bytes:
+            return max(self.config.kv_cache_memory_bytes // per_block, 1)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_peak_bytes()
+        budget = total * self.config.gpu_memory_utilization - (total - free) - peak
+        if budget < per_block:
+            raise RuntimeError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for "
+                               f"the KV cache (weights and activations need {(total - free + peak) / 2**30:.1f} GiB)")
+        return int(budget // per_block)
+
+    def _profile_peak_bytes(self) -> int:
+        """Peak activation memory of the largest step a window can run (prefill budget + sampling)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        tokens = min(self.config.max_num_batched_tokens or 2048, 8192)
+        rows = min(self.config.max_num_seqs, tokens)
+        hidden = torch.zeros(tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        logits = self.model.compute_logits(hidden[:rows]).float()
+        torch.softmax(logits, dim=-1).sort(dim=-1)
+        del hidden, logits
+        # MLP intermediate of a full prefill step
+        extra = tokens * self.model_config.intermediate_size * 3 * torch.finfo(self.dtype).bits // 8
+        peak = torch.cuda.max_memory_allocated(self.device) - before + extra
+        torch.cuda.empty_cache()
+        return peak
+
+    def _allocate_kv_cache(self) -> None:
+        shape = (self.num_blocks + 1, self.block_size)  # + sink block
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(*shape, attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros_like(attn.k_cache)
+        self.sink_slot = self.num_blocks * self.block_size
+        log(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
+            f"({self.num_blocks * self._kv_bytes_per_block() / 2**30:.2f} GiB)")
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for attn in self.model.attention_layers():
+            attn.k_cache[dst] = attn.k_cache[src]
+            attn.v_cache[dst] = attn.v_cache[src]
+
+    # ---- a window ---------------------------------------------------------------------------
+    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _block_table(self, rows) -> torch.Tensor:
+        width = max(len(row.seq.block_ids) for row in rows)
+        return self._tensor([row.seq.block_ids + [self.num_blocks] * (width - len(row.seq.block_ids)) for row in rows])
+
+    def _sampling_tensors(self, rows) -> SamplingTensors:
+        vocab = self.model_config.vocab_size
+        eos = list(self.model_config.eos_token_ids)
+        params = [row.seq.request.params for row in rows]
+        stops = [sorted(set(p.stop_token_ids + ([] if p.ignore_eos else eos))) for p in params]
+        width = max(len(s) for s in stops)
+        penalties = any(p.has_penalties for p in params)
+        biases = any(p.logit_bias for p in params)
+        logprob_rows = [p.logprobs for p in params if p.logprobs is not None]
+        t = SamplingTensors(
+            temperature=self._tensor([0.0 if p.is_greedy else p.temperature for p in params], torch.float32),
+            top_k=self._tensor([p.top_k if p.top_k > 0 else vocab for p in params]),
+            top_p=self._tensor([p.top_p for p in params], torch.float32),
+            min_p=self._tensor([p.min_p for p in params], torch.float32),
+            seeds=self._tensor([row_seed(row.seq.request.seed, row.seq.index) for row in rows]),
+            stop_ids=self._tensor([s + [-1] * (width - len(s)) for s in stops]).view(len(rows), width),
+            min_tokens=self._tensor([p.min_tokens for p in params]),
+            presence=self._tensor([p.presence_penalty for p in params], torch.float32) if penalties else None,
+            frequency=self._tensor([p.frequency_penalty for p in params], torch.float32) if penalties else None,
+            repetition=self._tensor([p.repetition_penalty for p in params], torch.float32) if penalties else None,
+            prompt_mask=None, logit_bias=None,
+            all_greedy=all(p.is_greedy for p in params),
+            any_filter=any(p.needs_filtering and not p.is_greedy for p in params),
+            num_logprobs=max(logprob_rows) if logprob_rows else -1,
+        )
+        if penalties:
+            t.prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=self.device)
+            for index, row in enumerate(rows):
+                t.prompt_mask[index, self._tensor(row.seq.token_ids[:row.seq.prompt_len])] = True
+        if biases:
+            t.logit_bias = torch.zeros(len(rows), vocab, dtype=torch.float32, device=self.device)
+            for index, p in enumerate(params):
+                for token, bias in (p.logit_bias or {}).items():
+                    t.logit_bias[index, token] = bias
+        return t
+
+    def _output_counts(self, rows, vocab: int) -> torch.Tensor:
+        counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=self.device)
+        for index, row in enumerate(rows):
+            outputs = row.seq.output_token_ids
+            if outputs:
+                counts[index].index_add_(0, self._tensor(outputs), torch.ones(len(outputs), device=self.device))
+        return counts
+
+    @torch.inference_mode()
+    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None]) -> WindowTimings:
+        timings = WindowTimings()
+        started = time.perf_counter()
+        self.copy_blocks(plan.block_copies)
+        bs = self.block_size
+        rows = plan.rows
+
+        # ---- step 1 inputs: every row's scheduled tokens, flattened ----
+        input_ids, positions, slots, starts, seq_lens, sample_index = [], [], [], [0], [], []
+        for row in rows:
+            seq, begin = row.seq, row.start_computed
+            end = begin + row.num_new_tokens
+            input_ids += seq.token_ids[begin:end]
+            positions += range(begin, end)
+            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(begin, end)]
+            starts.append(starts[-1] + row.num_new_tokens)
+            seq_lens.append(end)
+            if row.samples:
+                sample_index.append(starts[-1] - 1)
+        decode_only = starts[-1] == len(rows)
+        block_table = self._block_table(rows)
+        seq_lens_t = self._tensor(seq_lens)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), block_tables=block_table, seq_lens=seq_lens_t,
+            query_start_loc=None if decode_only else self._tensor(starts), query_start_loc_host=starts,
+            seq_lens_host=seq_lens, max_seq_len=max(seq_lens))
+        sampling_rows = [row for row in rows if row.samples]
+        sample_sel = [i for i, row in enumerate(rows) if row.samples]
+        t = self._sampling_tensors(sampling_rows) if sampling_rows else None
+        vocab = self.model_config.vocab_size
+        counts = self._output_counts(sampling_rows, vocab) if t is not None and t.presence is not None else None
+        num_generated = self._tensor([row.seq.num_output_tokens for row in sampling_rows])
+        timings.prepare_s = time.perf_counter() - started
+
+        forward_start = time.perf_counter()
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
+        if not sampling_rows:
+            timings.forward_s.append(time.perf_counter() - forward_start)
+            return timings
+        logits = self.model.compute_logits(hidden[self._tensor(sample_index)]).float()
+        out = self.sampler(logits, t, num_generated, counts)
+
+        # ---- device state of the decode steps that follow ----
+        sel = self._tensor(sample_sel)
+        max_steps = self._tensor([row.max_steps for row in sampling_rows])
+        stop_ids = t.stop_ids
+        tokens = out.tokens
+        done = torch.zeros(len(sampling_rows), dtype=torch.bool, device=self.device)
+        steps_done = torch.zeros_like(max_steps)
+        dec_table = block_table[sel]
+        dec_pos = seq_lens_t[sel]  # position of the token sampled in step 1
+        sink = self.sink_slot
+        max_dec_len = max(seq_lens[i] for i in sample_sel)
+        table_len = dec_table.shape[1] * bs
+
+        for step in range(1, plan.num_steps + 1):
+            if step > 1:
+                forward_start = time.perf_counter()
+                if timings.forward_s:
+                    timings.gaps_s.append(forward_start - last_end)
+                slot = dec_table.gather(1, (dec_pos // bs).unsqueeze(1)).squeeze(1) * bs + dec_pos % bs
+                slot = torch.where(done, sink, slot)
+                meta = AttentionMetadata(slot_mapping=slot, block_tables=dec_table, seq_lens=dec_pos + 1,
+                                         query_start_loc=None,
+                                         max_seq_len=min(max_dec_len + step - 1, table_len))
+                hidden = self.model(tokens, dec_pos, meta)
+                out = self.sampler(self.model.compute_logits(hidden).float(), t, num_generated, counts)
+                dec_pos = dec_pos + (~done).long()
+            # The row sampled a valid token at this step unless it was already done.
+            valid = ~done
+            tokens = torch.where(valid, out.tokens, tokens)
+            hit_stop = (stop_ids == tokens.unsqueeze(1)).any(dim=1) & valid
+            steps_done = steps_done + valid.long()
+            if counts is not None:
+                counts.scatter_add_(1, tokens.unsqueeze(1), valid.float().unsqueeze(1))
+            num_generated = num_generated + valid.long()
+            done = done | hit_stop | (steps_done >= max_steps)
+            last_end = time.perf_counter()
+            timings.forward_s.append(last_end - forward_start)
+            host_tokens = torch.where(valid, tokens, -1).tolist()
+            step_out = StepOutput(step=step, tokens=host_tokens)
+            if out.logprobs is not None:
+                step_out.logprobs = out.logprobs.tolist()
+                step_out.ranks = out.ranks.tolist()
+                if out.top_ids is not None:
+                    step_out.top_ids = out.top_ids.tolist()
+                    step_out.top_logprobs = out.top_logprobs.tolist()
+            callback_start = time.perf_counter()
+            on_step(step_out)
+            timings.output_s += time.perf_counter() - callback_start
+            if bool(done.all()):
+                break
+        return timings

@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2 with qkv bias).
+
+Module and attribute names follow Hugging Face's LlamaForCausalLM so checkpoints load by name;
+fused projections are declared in `packed_modules_mapping` instead of converted offline.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep_engine.attention import AttentionMetadata
+from lockstep_engine.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                                    QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                    VocabParallelEmbedding)
+from lockstep_engine.model_config import ModelConfig
+from lockstep_engine.parallel import ParallelState
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, state: ParallelState, backend, rotary: RotaryEmbedding):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, config.attention_bias, state)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, False, state)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.rotary = rotary
+        self.backend = backend
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend(q, k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, meta)
+        return self.o_proj(out.reshape(tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, state: ParallelState):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False, state)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, state: ParallelState, backend, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, state, backend, rotary)
+        self.mlp = LlamaMLP(config, state)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, state: ParallelState, backend, layer_range: range):
+        super().__init__()
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                 config.rope_scaling)
+        self.layer_range = layer_range
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, state) \
+            if state.is_first_stage or config.tie_word_embeddings and state.is_last_stage else None
+        # Layers outside this pipeline stage are absent; names keep their global index.
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, state, backend, rotary) for i in layer_range})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
+        self.is_first_stage = state.is_first_stage
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first_stage:
+            hidden = self.embed_tokens(input_ids)
+        for layer in self.layers.values():
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden) if self.norm is not None else hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, state: ParallelState, backend):
+        super().__init__()
+        self.config = config
+        self.state = state
+        self.layer_range = stage_layers(config.num_hidden_layers, state.pp_rank, state.pp_size)
+        self.model = LlamaModel(config, state, backend, self.layer_range)
+        self.lm_head = None
+        if state.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, state)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta, hidden=None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers.values()]
+
+    def load_weights(self, weights) -> int:
+        """Loads full checkpoint tensors by Hugging Face name; each layer keeps its shard."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = 0
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard_id = _map_name(name, self.packed_modules_mapping)
+            if target.startswith("model.layers."):
+                index = int(target.split(".")[2])
+                if index not in self.layer_range:
+                    continue
+            param = params.get(target)
+            if param is None:
+                if not self._belongs_to_other_stage(target):
+                    raise KeyError(f"checkpoint tensor {name!r} has no matching parameter ({target!r})")
+                continue
+            module = self.get_submodule(target.rsplit(".", 1)[0])
+            tensor = tensor.to(device=param.device, dtype=param.dtype)
+            if hasattr(module, "weight_loader"):
+                module.weight_loader(param, tensor, shard_id)
+            else:
+                param.data.copy_(tensor)
+            loaded += 1
+        return loaded
+
+    def _belongs_to_other_stage(self, target: str) -> bool:
+        return self.state.pp_size > 1 and target.split(".")[0] in ("model", "lm_head")
+
+
+def _map_name(name: str, mapping: dict) -> tuple[str, object]:
+    for source, (target, shard_id) in mapping.items():
+        if f".{source}." in name:
+            return name.replace(f".{source}.", f".{target}."), shard_id
+    return name, None
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """Layers of one pipeline stage: as even as possible, earlier stages take the remainder."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))

@@ -1,0 +1,144 @@
+"""Sampling on the device, with no host sync: greedy, temperature, top-k/top-p/min-p, penalties,
+logit bias, min_tokens, logprobs.
+
+Random draws are counter-based: the noise for a token is a hash of (row seed, output index, token
+id), so a seeded request gets the same tokens whatever its batch, window length or preemptions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+_STEP = _signed(0xD1B54A32D192ED03)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request (n > 1 samples differ)."""
+    return _signed(seed * 0x2545F4914F6CDD1D + index * _STEP + 0x1234567)
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] from (seed, step, token) alone."""
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    x = _splitmix(_splitmix(seeds.unsqueeze(1) + steps.unsqueeze(1) * _STEP) + tokens.unsqueeze(0))
+    uniform = (_shr(x, 11).to(torch.float64) + 0.5) * (2.0 ** -53)
+    return (-torch.log(uniform)).to(torch.float32)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters for one window, on the device. Rows are the window's sampling rows."""
+
+    temperature: torch.Tensor  # [rows] float32, 0 for greedy
+    top_k: torch.Tensor  # [rows] int64, vocab size when off
+    top_p: torch.Tensor  # [rows] float32
+    min_p: torch.Tensor  # [rows] float32
+    seeds: torch.Tensor  # [rows] int64
+    stop_ids: torch.Tensor  # [rows, S] int64, -1 padded: EOS (unless ignore_eos) and stop_token_ids
+    min_tokens: torch.Tensor  # [rows] int64
+    presence: torch.Tensor | None  # [rows] float32, only when some row has penalties
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
+    prompt_mask: torch.Tensor | None  # [rows, vocab] bool: token occurs in the prompt
+    logit_bias: torch.Tensor | None  # [rows, vocab] float32
+    all_greedy: bool
+    any_filter: bool
+    num_logprobs: int  # top logprobs to return (max over rows); -1: no row wants logprobs
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [rows] int64
+    logprobs: torch.Tensor | None = None  # [rows] logprob of the sampled token (raw model distribution)
+    ranks: torch.Tensor | None = None  # [rows] 1-based rank of the sampled token
+    top_ids: torch.Tensor | None = None  # [rows, k]
+    top_logprobs: torch.Tensor | None = None  # [rows, k]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors, num_generated: torch.Tensor,
+                 output_counts: torch.Tensor | None) -> SampleOutput:
+        # logits: [rows, vocab] float32; num_generated: [rows] output tokens so far
+        raw = logits
+        logits = logits.clone() if (t.logit_bias is not None or t.presence is not None) else logits
+        if t.logit_bias is not None:
+            logits = logits + t.logit_bias
+        if t.stop_ids.shape[1]:
+            # min_tokens: a stop token may not be sampled before the row has min_tokens outputs
+            ban = (num_generated < t.min_tokens).unsqueeze(1) & (t.stop_ids >= 0)
+            penalty = torch.zeros(ban.shape, dtype=logits.dtype, device=logits.device).masked_fill(ban, float("-inf"))
+            logits = logits.scatter_add(1, t.stop_ids.clamp(min=0), penalty)
+        if t.presence is not None:
+            logits = self._apply_penalties(logits, t, output_counts)
+        if t.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, t, num_generated)
+        out = SampleOutput(tokens=tokens)
+        if t.num_logprobs >= 0:
+            self._logprobs(raw, out, t.num_logprobs)
+        return out
+
+    @staticmethod
+    def _apply_penalties(logits, t: SamplingTensors, counts: torch.Tensor) -> torch.Tensor:
+        seen = (counts > 0) | t.prompt_mask
+        rep = t.repetition.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - t.frequency.unsqueeze(1) * counts - t.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+    @staticmethod
+    def _sample(logits, t: SamplingTensors, num_generated) -> torch.Tensor:
+        greedy = t.temperature <= 0
+        temperature = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
+        probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+        if t.any_filter:
+            probs = _filter(probs, t)
+        noise = exponential_noise(t.seeds, num_generated, probs.shape[1])
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, out: SampleOutput, k: int) -> None:
+        logprobs = torch.log_softmax(raw.float(), dim=-1)
+        chosen = logprobs.gather(1, out.tokens.unsqueeze(1))
+        out.logprobs = chosen.squeeze(1)
+        out.ranks = (logprobs > chosen).sum(dim=-1) + 1
+        if k > 0:
+            out.top_logprobs, out.top_ids = logprobs.topk(k, dim=-1)
+
+
+def _filter(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """min-p, then top-k and top-p in sorted order; the most likely token always survives."""
+    probs = probs.masked_fill(probs < t.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+    keep = ranks < t.top_k.unsqueeze(1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep &= mass_before < t.top_p.unsqueeze(1) * sorted_probs.sum(dim=-1, keepdim=True)
+    keep[:, 0] = True
+    return torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)

@@ -1,0 +1,109 @@
+"""`SamplingParams`: per-request generation parameters, as vLLM names and bounds them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockstep_engine.config import ConfigError
+
+
+class SamplingParamsError(ConfigError):
+    """A sampling parameter is out of range; the message names the field, the value and the range."""
+
+    def __init__(self, param: str, value: Any, allowed: str):
+        self.param = param
+        super().__init__(f"{param}={value!r} is invalid: expected {allowed}")
+
+
+def _check(ok: bool, param: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise SamplingParamsError(param, value, allowed)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-k logprobs per generated token (the sampled one is always added)
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    json_schema: dict | None = None  # guided decoding; None: unconstrained
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self, max_logprobs: int = 20) -> None:
+        _check(_is_int(self.n) and 1 <= self.n <= 128, "n", self.n, "an integer in [1, 128]")
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", self.temperature,
+               "a number in [0, 100]")
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "-1, 0 (off) or a positive integer")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "a number in [0, 1]")
+        if self.seed is not None:
+            _check(_is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", self.seed, "a 64-bit integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(len(self.stop) <= 16, "stop", self.stop, "at most 16 stop strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+               "non-negative token ids")
+        if self.max_tokens is not None:
+            _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                   "a positive integer")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+               "a non-negative integer")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"at most max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, name, value, "a number in [-2, 2]")
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+               self.repetition_penalty, "a number in (0, 2]")
+        if self.logprobs is not None:
+            _check(_is_int(self.logprobs) and 0 <= self.logprobs <= max_logprobs, "logprobs", self.logprobs,
+                   f"an integer in [0, {max_logprobs}]")
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                _check(_is_int(token) and token >= 0, "logit_bias", token, "non-negative token ids as keys")
+                _check(_is_number(bias) and -100.0 <= bias <= 100.0, "logit_bias", bias, "biases in [-100, 100]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_filtering(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0

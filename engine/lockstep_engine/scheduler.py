@@ -1,0 +1,213 @@
+"""`Scheduler`: continuous batching in multi-step windows. Plain Python, no torch.
+
+Each call to `schedule()` plans one window: a batch whose first step may carry prefill chunks
+(chunked prefill) next to decodes, and whose sampling rows then decode `num_steps` tokens without
+coming back here. Every KV slot the window may write is reserved beforehand (lookahead), so the
+device never needs the host mid-window. Order is first-come first-served; when blocks run out the
+latest arrival is preempted and later recomputed (its computed blocks stay in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lockstep_engine.block_manager import BlockManager
+from lockstep_engine.config import AUTO
+from lockstep_engine.sequence import Request, Sequence, SequenceStatus
+
+AUTO_MIN_STEPS = 1
+AUTO_MAX_STEPS = 32
+AUTO_START_STEPS = 4
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed in the window's first step
+    samples: bool  # reaches its compute target in step 1, then decodes
+    max_steps: int  # tokens it may sample in this window (0 when it does not sample)
+    start_computed: int  # num_computed when the window was planned
+
+
+@dataclass
+class WindowPlan:
+    rows: list[ScheduledSeq]
+    num_steps: int
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(row.num_new_tokens for row in self.rows if row.num_new_tokens > 1 or not row.samples)
+
+    @property
+    def sampling_rows(self) -> list[ScheduledSeq]:
+        return [row for row in self.rows if row.samples]
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_scheduler_steps: int | str
+    enable_chunked_prefill: bool = True
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager):
+        self.limits = limits
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._auto_steps = AUTO_START_STEPS
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.extend(request.sequences)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Ends a sequence (stop, length or abort) and releases its blocks."""
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.blocks.free(seq)
+
+    # ---- planning ---------------------------------------------------------------------------
+    def _choose_num_steps(self) -> int:
+        steps = self.limits.num_scheduler_steps
+        if steps != AUTO:
+            return steps
+        if self.waiting:
+            # Requests are waiting: short windows let them in sooner (time to first token).
+            self._auto_steps = max(AUTO_MIN_STEPS, min(self._auto_steps // 2, 2))
+        else:
+            self._auto_steps = min(self._auto_steps * 2, AUTO_MAX_STEPS)
+        bound = min((seq.remaining_tokens for seq in self.running), default=self._auto_steps)
+        return max(AUTO_MIN_STEPS, min(self._auto_steps, bound))
+
+    def _plan_row(self, seq: Sequence, budget: int, num_steps: int) -> ScheduledSeq | None:
+        todo = seq.compute_target - seq.num_computed
+        if todo <= 0:
+            return None
+        if todo > budget and not self.limits.enable_chunked_prefill:
+            return None
+        num_new = min(todo, budget)
+        if num_new <= 0:
+            return None
+        samples = num_new == todo and not seq.request.needs_fork
+        max_steps = max(1, min(num_steps, seq.remaining_tokens)) if samples else 0
+        return ScheduledSeq(seq, num_new, samples, max_steps, seq.num_computed)
+
+    @staticmethod
+    def _slots_needed(row: ScheduledSeq) -> int:
+        extra = row.max_steps - 1 if row.samples else 0
+        return row.seq.num_computed + row.num_new_tokens + extra
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the queue in arrival order, ahead of anything that came later.
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].request.arrival_time <= seq.request.arrival_time:
+            index += 1
+        self.waiting.insert(index, seq)
+
+    def schedule(self) -> WindowPlan | None:
+        num_steps = self._choose_num_steps()
+        budget = self.limits.max_num_batched_tokens
+        rows: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+
+        # Running sequences first, oldest first; the newest are preempted when blocks run out.
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            row = self._plan_row(seq, budget, num_steps)
+            if row is None:
+                index += 1
+                continue
+            need = self._slots_needed(row)
+            while not self.blocks.can_reserve(seq, need) and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+            if not self.blocks.can_reserve(seq, need):
+                self._preempt(seq)
+                continue
+            copies += self.blocks.reserve(seq, need)
+            rows.append(row)
+            budget -= row.num_new_tokens
+            index += 1
+
+        # Then waiting sequences, first come first served, while budget, seats and blocks last.
+        while self.waiting and len(self.running) < self.limits.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                self.blocks.allocate_cached_prefix(seq)
+                if seq.index == 0 and seq.num_preemptions == 0:
+                    seq.request.num_cached_tokens = seq.num_computed
+            row = self._plan_row(seq, budget, num_steps)
+            if row is None or not self.blocks.can_reserve(seq, self._slots_needed(row)):
+                if not rows and not self.running:
+                    # Nothing else will ever free blocks: keep its cached prefix and retry later.
+                    pass
+                break
+            self.waiting.popleft()
+            copies += self.blocks.reserve(seq, self._slots_needed(row))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            rows.append(row)
+            budget -= row.num_new_tokens
+
+        if not rows:
+            return None
+        return WindowPlan(rows=rows, num_steps=num_steps, block_copies=copies)
+
+    # ---- results ----------------------------------------------------------------------------
+    def complete_row(self, row: ScheduledSeq, num_sampled: int) -> None:
+        """Records that a row fed its step-1 tokens and then `num_sampled - 1` sampled tokens."""
+        seq = row.seq
+        seq.num_computed = row.start_computed + row.num_new_tokens + max(num_sampled - 1, 0)
+        if not seq.is_finished:
+            self.blocks.register_computed_blocks(seq)
+
+    def fork_ready_requests(self, requests: list[Request]) -> None:
+        """Splits a request with n > 1 into its n samples once the shared prompt is computed."""
+        for request in requests:
+            parent = request.sequences[0]
+            if request.forked or parent.num_computed < request.prompt_len - 1 or parent.is_finished:
+                continue
+            request.forked = True
+            position = self.running.index(parent) + 1 if parent in self.running else None
+            for index in range(1, request.params.n):
+                child = Sequence(request=request, token_ids=list(parent.token_ids), index=index)
+                child.status = parent.status
+                child.first_scheduled_time = parent.first_scheduled_time
+                if parent.block_ids:
+                    self.blocks.fork(parent, child)
+                request.sequences.append(child)
+                if position is not None:
+                    self.running.insert(position, child)
+                    position += 1
+                else:
+                    self.waiting.append(child)

@@ -1,0 +1,127 @@
+"""`Request` and `Sequence`: what the scheduler moves around. Plain Python, no torch."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from lockstep_engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token and the top-k alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: "Request"
+    token_ids: list[int]
+    index: int = 0  # which of the request's n samples
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def compute_target(self) -> int:
+        """How many tokens must be computed before this sequence samples.
+
+        A request with n > 1 prefills its prompt once, minus the last token, then forks: each child
+        computes that last token itself and samples from its own logits.
+        """
+        if self.request.needs_fork:
+            return self.prompt_len - 1
+        return self.num_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens still allowed by max_tokens / max_model_len."""
+        request = self.request
+        by_model_len = request.max_model_len - self.num_tokens
+        if request.params.max_tokens is None:
+            return by_model_len
+        return min(request.params.max_tokens - self.num_output_tokens, by_model_len)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_model_len: int
+    seed: int  # resolved: the user's seed or one drawn at arrival
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    num_cached_tokens: int = 0
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            self.sequences = [Sequence(request=self, token_ids=list(self.prompt_token_ids))]
+        if self.params.n == 1:
+            self.forked = True
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def needs_fork(self) -> bool:
+        return not self.forked
+
+    @property
+    def is_finished(self) -> bool:
+        return self.forked and all(seq.is_finished for seq in self.sequences)

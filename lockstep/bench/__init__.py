@@ -1,0 +1,1 @@
+"""Benchmark clients and workloads; standard library and httpx only, never torch."""
