@@ -1,0 +1,347 @@
+"""ServiceSpec -> the Kubernetes objects that serve it. Pure functions, no API calls.
+
+Per replica group i: a StatefulSet `<name>-g<i>` (one pod per rank slot, all started in parallel,
+`OnDelete` so only the operator replaces pods, and then always the whole group) and a headless
+Service of the same name that gives pod 0 its stable DNS name. Per LLMService: a Service selecting
+the leader pods (what the gateway discovers) and a ConfigMap holding the pod launcher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from lockstep_operator.config import OperatorConfig
+from lockstep_operator.constants import (
+    ANNOTATION_APPLIED,
+    ANNOTATION_SERVED_MODEL,
+    API_VERSION,
+    CACHE_DIR,
+    ENGINE_PORT,
+    KIND,
+    LABEL_GROUP,
+    LABEL_MANAGED_BY,
+    LABEL_POD_INDEX,
+    LABEL_REVISION,
+    LABEL_SERVICE,
+    LAUNCHER_DIR,
+    MANAGED_BY,
+    MODELS_DIR,
+    RENDEZVOUS_PORT,
+)
+from lockstep_operator.launcher import LAUNCHER
+from lockstep_operator.spec import ServiceSpec
+
+STARTUP_PROBE_PERIOD_SECONDS = 10
+# Workers keep retrying the leader's DNS name this long before failing (and restarting the group).
+LEADER_WAIT_SECONDS = 600
+
+
+def digest(obj: Any, length: int = 10) -> str:
+    """A short, stable hash of a JSON-able object."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
+def group_name(name: str, index: int) -> str:
+    return f"{name}-g{index}"
+
+
+def configmap_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "lockstep-engine",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/part-of": "lockstep",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_SERVICE: name,
+    }
+
+
+def group_selector(name: str, index: int) -> dict[str, str]:
+    # Only labels the operator owns: selectors are immutable, user labels must never enter them.
+    return {LABEL_SERVICE: name, LABEL_GROUP: str(index)}
+
+
+def leader_selector(name: str) -> dict[str, str]:
+    return {LABEL_SERVICE: name, LABEL_POD_INDEX: "0"}
+
+
+def leader_selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(leader_selector(name).items()))
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def revision(spec: ServiceSpec, namespace: str, config: OperatorConfig) -> str:
+    """Hash of everything that shapes a group's pods (group 0 stands for all).
+
+    `replicas` does not enter it: scaling never replaces the pods of existing groups.
+    """
+    template = _pod_template(spec, namespace, 0, config)
+    return digest({"template": template, "pods": spec.pods_per_group, "launcher": LAUNCHER})
+
+
+def model_arg(spec: ServiceSpec) -> str:
+    claim = spec.pvc_claim
+    if claim is None:
+        return spec.source
+    return f"{MODELS_DIR}/{claim}" + spec.source[len("pvc://") + len(claim) :]
+
+
+def engine_args(spec: ServiceSpec) -> list[str]:
+    """Arguments of `lockstep serve` (leader) and `lockstep worker` (other ranks) alike."""
+    args = [
+        model_arg(spec),
+        "--port", str(ENGINE_PORT),
+        "--served-model-name", spec.served_name,
+        "--num-scheduler-steps", spec.steps,
+        "--tensor-parallel-size", str(spec.tensor),
+        "--pipeline-parallel-size", str(spec.pipeline),
+    ]  # fmt: skip
+    if spec.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.max_model_len is not None:
+        args += ["--max-model-len", str(spec.max_model_len)]
+    return args + list(spec.extra_args)
+
+
+def leader_address(spec: ServiceSpec, namespace: str, index: int, config: OperatorConfig) -> str:
+    group = group_name(spec.name, index)
+    return f"{group}-0.{group}.{namespace}.svc.{config.cluster_domain}"
+
+
+def engine_env(spec: ServiceSpec, namespace: str, index: int, config: OperatorConfig) -> list[dict[str, Any]]:
+    # LOCKSTEP_RANK = pod index x ranks per pod (+ local rank, added by the engine inside the pod):
+    # launch.sh computes it from LOCKSTEP_POD_INDEX, which the downward API takes from the pod label.
+    pod_index = {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_POD_INDEX}']"}}
+    env = [
+        {"name": "LOCKSTEP_POD_INDEX", "valueFrom": pod_index},
+        {"name": "LOCKSTEP_RANKS_PER_POD", "value": str(spec.ranks_per_pod)},
+        {"name": "LOCKSTEP_WORLD_SIZE", "value": str(spec.world_size)},
+        {"name": "LOCKSTEP_LEADER_ADDR", "value": leader_address(spec, namespace, index, config)},
+        {"name": "LOCKSTEP_RENDEZVOUS_PORT", "value": str(RENDEZVOUS_PORT)},
+        {"name": "LOCKSTEP_GROUP", "value": str(index)},
+        {"name": "LOCKSTEP_LEADER_WAIT_SECONDS", "value": str(LEADER_WAIT_SECONDS)},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+    ]
+    return env + [dict(item) for item in spec.env]
+
+
+def _probe_command() -> list[str]:
+    return ["/bin/sh", f"{LAUNCHER_DIR}/launch.sh", "--probe"]
+
+
+def probes(spec: ServiceSpec) -> dict[str, Any]:
+    """Leader-only health checks: on other ranks the launcher's probe succeeds without a request.
+
+    One StatefulSet template serves every rank of a group, so the probe itself tells the leader
+    (pod index 0, which serves GET /health) from the workers (which serve no HTTP).
+    """
+    startup_failures = math.ceil(spec.startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS)
+    return {
+        "startupProbe": {
+            "exec": {"command": _probe_command()},
+            "periodSeconds": STARTUP_PROBE_PERIOD_SECONDS,
+            "timeoutSeconds": 5,
+            "failureThreshold": startup_failures,
+        },
+        "readinessProbe": {
+            "exec": {"command": _probe_command()},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "exec": {"command": _probe_command()},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def shm_size(spec: ServiceSpec) -> str:
+    return spec.shm_size or f"{2 * spec.ranks_per_pod}Gi"
+
+
+def container_resources(spec: ServiceSpec) -> dict[str, Any]:
+    result = {key: dict(value) for key, value in spec.resources.items()}
+    if spec.gpus_per_pod:
+        limits = result.setdefault("limits", {})
+        limits.setdefault("nvidia.com/gpu", spec.gpus_per_pod)
+    return result
+
+
+def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec)}},
+        {"name": "launcher", "configMap": {"name": configmap_name(spec.name), "defaultMode": 0o555}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "launcher", "mountPath": LAUNCHER_DIR, "readOnly": True},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+    claim = spec.pvc_claim
+    if claim is not None:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
+_TEMPLATE_POD_FIELDS = (
+    "nodeSelector",
+    "tolerations",
+    "affinity",
+    "topologySpreadConstraints",
+    "priorityClassName",
+    "serviceAccountName",
+    "schedulerName",
+    "runtimeClassName",
+    "imagePullSecrets",
+)
+
+
+def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: OperatorConfig) -> dict[str, Any]:
+    volumes, mounts = _volumes(spec)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.image,
+        "command": ["/bin/sh", f"{LAUNCHER_DIR}/launch.sh"],
+        "args": engine_args(spec),
+        "env": engine_env(spec, namespace, index, config),
+        "ports": [
+            {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
+        ],
+        "resources": container_resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        **probes(spec),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    template = spec.template
+    labels = {**dict(template.get("labels") or {}), **common_labels(spec.name), **group_selector(spec.name, index)}
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+    }
+    pod_spec.update({key: template[key] for key in _TEMPLATE_POD_FIELDS if template.get(key)})
+    metadata: dict[str, Any] = {"labels": labels}
+    if template.get("annotations"):
+        metadata["annotations"] = dict(template["annotations"])
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def pod_template(spec: ServiceSpec, namespace: str, index: int, config: OperatorConfig) -> dict[str, Any]:
+    template = _pod_template(spec, namespace, index, config)
+    template["metadata"]["labels"][LABEL_REVISION] = revision(spec, namespace, config)
+    return template
+
+
+def _stamp(obj: dict[str, Any]) -> dict[str, Any]:
+    """Record the hash of the desired object so an unchanged one is not sent again."""
+    obj["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED] = digest(obj)
+    return obj
+
+
+def _metadata(owner: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner["metadata"]["namespace"],
+        "labels": labels,
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
+def group_statefulset(owner: Mapping[str, Any], spec: ServiceSpec, index: int, config: OperatorConfig) -> dict[str, Any]:
+    namespace = owner["metadata"]["namespace"]
+    name = group_name(spec.name, index)
+    labels = {**common_labels(spec.name), **group_selector(spec.name, index), LABEL_REVISION: revision(spec, namespace, config)}
+    return _stamp({
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(owner, name, labels),
+        "spec": {
+            "replicas": spec.pods_per_group,
+            "serviceName": name,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": group_selector(spec.name, index)},
+            "template": pod_template(spec, namespace, index, config),
+        },
+    })
+
+
+def group_service(owner: Mapping[str, Any], spec: ServiceSpec, index: int) -> dict[str, Any]:
+    name = group_name(spec.name, index)
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, name, {**common_labels(spec.name), **group_selector(spec.name, index)}),
+        "spec": {
+            "clusterIP": "None",
+            # Workers must resolve the leader before it is ready: it turns ready only once they joined.
+            "publishNotReadyAddresses": True,
+            "selector": group_selector(spec.name, index),
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": "rendezvous", "protocol": "TCP"},
+            ],
+        },
+    })
+
+
+def leader_service(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
+    labels = {**common_labels(spec.name), "app.kubernetes.io/component": "engine-leader"}
+    metadata = _metadata(owner, spec.name, labels)
+    metadata["annotations"] = {ANNOTATION_SERVED_MODEL: spec.served_name}
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": "ClusterIP",
+            "selector": leader_selector(spec.name),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
+def engine_configmap(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, configmap_name(spec.name), common_labels(spec.name)),
+        "data": {"launch.sh": LAUNCHER, "args": "\n".join(engine_args(spec)) + "\n"},
+    })
+
+
+def service_objects(owner: Mapping[str, Any], spec: ServiceSpec) -> list[dict[str, Any]]:
+    """The per-LLMService objects (the per-group ones are built as groups are created)."""
+    return [engine_configmap(owner, spec), leader_service(owner, spec)]

@@ -1,0 +1,33 @@
+"""The operator's settings: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lockstep_operator.constants import DEFAULT_ENGINE_IMAGE
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    # Namespaces to watch; empty means every namespace.
+    namespaces: tuple[str, ...] = ()
+    engine_image: str = DEFAULT_ENGINE_IMAGE
+    cluster_domain: str = "cluster.local"
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 8080  # 0 disables the /metrics server
+    health_port: int = 8081  # 0 disables kopf's liveness endpoint
+    # Every LLMService is reconciled at least this often, even when no event arrives.
+    resync_seconds: float = 60.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.engine_image or self.engine_image.endswith(":latest"):
+            raise ValueError(f"engine_image must be a pinned image reference, got {self.engine_image!r}")
+        for name in ("metrics_port", "health_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {port}")
+        if self.resync_seconds <= 0:
+            raise ValueError(f"resync_seconds must be > 0, got {self.resync_seconds}")
+        if not self.cluster_domain or self.cluster_domain.startswith("."):
+            raise ValueError(f"cluster_domain must be a DNS name, got {self.cluster_domain!r}")

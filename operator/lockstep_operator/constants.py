@@ -1,0 +1,34 @@
+"""Names shared by the CRD, the builders and the handlers."""
+
+from __future__ import annotations
+
+GROUP = "serving.lockstep.dev"
+VERSION = "v1alpha1"
+PLURAL = "llmservices"
+KIND = "LLMService"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Annotation/label prefix for everything the operator (and kopf, for it) writes.
+PREFIX = GROUP
+FIELD_MANAGER = "lockstep-operator"
+
+LABEL_SERVICE = f"{PREFIX}/service"
+LABEL_GROUP = f"{PREFIX}/group"
+LABEL_REVISION = f"{PREFIX}/revision"
+# Set on every pod by the StatefulSet controller (PodIndexLabel, on by default since 1.28).
+LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "lockstep-operator"
+
+ANNOTATION_APPLIED = f"{PREFIX}/applied-hash"
+ANNOTATION_MEMBERS = f"{PREFIX}/members"
+ANNOTATION_RESTARTS = f"{PREFIX}/restarts"
+ANNOTATION_SERVED_MODEL = f"{PREFIX}/served-model-name"
+
+ENGINE_PORT = 8000
+RENDEZVOUS_PORT = 29500
+DEFAULT_ENGINE_IMAGE = "ghcr.io/lockstep-dev/lockstep:0.1.0"
+DEFAULT_NUM_SCHEDULER_STEPS = 8
+LAUNCHER_DIR = "/etc/lockstep"
+MODELS_DIR = "/models"
+CACHE_DIR = "/var/cache/lockstep"

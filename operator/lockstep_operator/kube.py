@@ -1,0 +1,128 @@
+"""The Kubernetes API calls that read an LLMService's world and carry a Plan out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from lockstep_operator.constants import FIELD_MANAGER, GROUP, LABEL_SERVICE, PLURAL, VERSION
+from lockstep_operator.plan import Observed, Plan
+
+log = logging.getLogger(__name__)
+APPLY = "application/apply-patch+yaml"
+MERGE = "application/merge-patch+json"
+
+
+class Kube:
+    """Typed API groups over one ApiClient."""
+
+    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+        self.api_client = api_client or client.ApiClient()
+        self.core = client.CoreV1Api(self.api_client)
+        self.apps = client.AppsV1Api(self.api_client)
+        self.custom = client.CustomObjectsApi(self.api_client)
+
+    def _to_dict(self, obj: Any) -> dict[str, Any]:
+        return self.api_client.sanitize_for_serialization(obj)
+
+    def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list_services(self, namespaces: tuple[str, ...]) -> list[tuple[str, str]]:
+        """(namespace, name) of every LLMService in the watched namespaces."""
+        if not namespaces:
+            items = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        else:
+            items = [i for ns in namespaces for i in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]]
+        return [(i["metadata"]["namespace"], i["metadata"]["name"]) for i in items]
+
+    def observe(self, owner: Mapping[str, Any]) -> Observed:
+        """The children of `owner`: labelled with its name and owned by its UID."""
+        meta = owner["metadata"]
+        namespace, uid = meta["namespace"], meta["uid"]
+        selector = f"{LABEL_SERVICE}={meta['name']}"
+
+        def owned(items: list[Any]) -> list[dict[str, Any]]:
+            result = []
+            for item in items:
+                body = self._to_dict(item)
+                refs = body["metadata"].get("ownerReferences") or []
+                if any(ref.get("uid") == uid for ref in refs):
+                    result.append(body)
+            return result
+
+        statefulsets = owned(self.apps.list_namespaced_stateful_set(namespace, label_selector=selector).items)
+        sts_uids = {s["metadata"]["uid"] for s in statefulsets}
+        pods = [
+            self._to_dict(p)
+            for p in self.core.list_namespaced_pod(namespace, label_selector=selector).items
+            if any(ref.uid in sts_uids for ref in p.metadata.owner_references or [])
+        ]
+        return Observed(
+            statefulsets=statefulsets,
+            services=owned(self.core.list_namespaced_service(namespace, label_selector=selector).items),
+            configmaps=owned(self.core.list_namespaced_config_map(namespace, label_selector=selector).items),
+            pods=pods,
+        )
+
+    def apply(self, obj: Mapping[str, Any]) -> None:
+        kind, name, namespace = obj["kind"], obj["metadata"]["name"], obj["metadata"]["namespace"]
+        patch = {
+            "StatefulSet": self.apps.patch_namespaced_stateful_set,
+            "Service": self.core.patch_namespaced_service,
+            "ConfigMap": self.core.patch_namespaced_config_map,
+        }[kind]
+        patch(name, namespace, obj, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+
+    def delete(self, namespace: str, kind: str, name: str) -> None:
+        remove = {
+            "StatefulSet": self.apps.delete_namespaced_stateful_set,
+            "Service": self.core.delete_namespaced_service,
+        }[kind]
+        try:
+            remove(name, namespace, propagation_policy="Background")
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        # The UID precondition keeps a replacement the StatefulSet already made from being deleted.
+        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+        try:
+            self.core.delete_namespaced_pod(name, namespace, body=options)
+        except ApiException as error:
+            if error.status not in (404, 409):
+                raise
+
+    def annotate_statefulset(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        body = {"metadata": {"annotations": dict(annotations)}}
+        self.apps.patch_namespaced_stateful_set(name, namespace, body, field_manager=FIELD_MANAGER, _content_type=MERGE)
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)},
+            field_manager=FIELD_MANAGER, _content_type=MERGE,
+        )  # fmt: skip
+
+    def execute(self, namespace: str, plan: Plan) -> None:
+        """Carry out a plan's changes to child objects (status is written separately)."""
+        for obj in plan.apply:
+            log.info("apply %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
+            self.apply(obj)
+        for kind, name in plan.delete:
+            log.info("delete %s %s/%s", kind, namespace, name)
+            self.delete(namespace, kind, name)
+        for name, uid in plan.delete_pods:
+            log.info("delete pod %s/%s", namespace, name)
+            self.delete_pod(namespace, name, uid)
+        for name, annotations in plan.annotate:
+            self.annotate_statefulset(namespace, name, annotations)

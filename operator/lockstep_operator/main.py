@@ -1,0 +1,112 @@
+"""`lockstep operator`: runs the LLMService operator (kopf) with the project's settings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+
+from lockstep_operator.config import OperatorConfig
+from lockstep_operator.constants import DEFAULT_ENGINE_IMAGE
+
+log = logging.getLogger("lockstep_operator")
+
+
+def parse_args(argv: list[str]) -> OperatorConfig:
+    parser = argparse.ArgumentParser(
+        prog="lockstep operator",
+        description="Reconcile LLMService resources (serving.lockstep.dev/v1alpha1) into engine groups.",
+    )
+    parser.add_argument("-n", "--namespace", action="append", default=[], dest="namespaces",
+                        help="watch this namespace (repeatable); default: every namespace")
+    parser.add_argument("--engine-image", default=DEFAULT_ENGINE_IMAGE,
+                        help="engine image for LLMServices that set none (default %(default)s)")
+    parser.add_argument("--cluster-domain", default="cluster.local", help="cluster DNS domain (default %(default)s)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the /metrics server (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=8080, help="port of the /metrics server, 0 = off (default %(default)s)")
+    parser.add_argument("--health-port", type=int, default=8081, help="port of the /healthz liveness endpoint, 0 = off (default %(default)s)")
+    parser.add_argument("--resync-seconds", type=float, default=60.0,
+                        help="reconcile every LLMService at least this often (default %(default)s)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    try:
+        return OperatorConfig(
+            namespaces=tuple(args.namespaces),
+            engine_image=args.engine_image,
+            cluster_domain=args.cluster_domain,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+            health_port=args.health_port,
+            resync_seconds=args.resync_seconds,
+            log_level=args.log_level,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # unreachable: parser.error exits
+
+
+def load_kube_config() -> None:
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+async def _resync_forever(reconciler, interval: float) -> None:  # type: ignore[no-untyped-def]
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(reconciler.resync)
+        except Exception:  # noqa: BLE001 - the next round tries again
+            log.exception("periodic resync failed")
+
+
+async def run(config: OperatorConfig) -> None:
+    import kopf
+    from prometheus_client import start_http_server
+
+    from lockstep_operator.handlers import build_registry, operator_settings
+    from lockstep_operator.kube import Kube
+    from lockstep_operator.metrics import REGISTRY
+    from lockstep_operator.reconciler import Reconciler
+
+    load_kube_config()
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=REGISTRY)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+    reconciler = Reconciler(Kube(), config)
+    liveness = f"http://{config.metrics_host}:{config.health_port}/healthz" if config.health_port else None
+    resync = asyncio.create_task(_resync_forever(reconciler, config.resync_seconds))
+    try:
+        await kopf.operator(
+            registry=build_registry(reconciler),
+            settings=operator_settings(),
+            standalone=True,
+            clusterwide=not config.namespaces,
+            namespaces=config.namespaces,
+            liveness_endpoint=liveness,
+        )
+    finally:
+        reconciler.queue.close()
+        resync.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await resync
+
+
+def main(argv: list[str]) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,151 @@
+"""One reconcile of one LLMService, and the queue that keeps reconciles of one object serial.
+
+Everything that happens to an LLMService or its children ends up as `request(namespace, name)`.
+Requests that arrive while that object is being reconciled fold into one more pass, so a burst
+of pod events costs a couple of passes, never one per event and never two at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from datetime import datetime, timezone
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from lockstep_operator import metrics
+from lockstep_operator.config import OperatorConfig
+from lockstep_operator.constants import API_VERSION, KIND, MANAGED_BY
+from lockstep_operator.kube import Kube
+from lockstep_operator.plan import error_status, plan_reconcile, status_changed
+
+log = logging.getLogger(__name__)
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Coalescer:
+    """Runs `work(key)`, one run per key at a time; failures are retried with backoff."""
+
+    def __init__(self, work: Callable[[Hashable], None], retry_delays: Sequence[float] = (1, 2, 5, 10, 30)) -> None:
+        self._work = work
+        self._retry_delays = tuple(retry_delays)
+        self._lock = threading.Lock()
+        self._running: set[Hashable] = set()
+        self._pending: set[Hashable] = set()
+        self._failures: dict[Hashable, int] = {}
+        self._closed = False
+
+    def request(self, key: Hashable) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if key in self._running:
+                self._pending.add(key)
+                return
+            self._running.add(key)
+        while True:
+            self._run_once(key)
+            with self._lock:
+                if key in self._pending and not self._closed:
+                    self._pending.discard(key)
+                    continue
+                self._running.discard(key)
+                return
+
+    def _run_once(self, key: Hashable) -> None:
+        try:
+            self._work(key)
+        except Exception:  # noqa: BLE001 - one object's failure must not stop the others
+            failures = self._failures.get(key, 0)
+            self._failures[key] = failures + 1
+            delay = self._retry_delays[min(failures, len(self._retry_delays) - 1)]
+            log.exception("reconcile of %s failed; retrying in %ss", key, delay)
+            timer = threading.Timer(delay, self.request, args=(key,))
+            timer.daemon = True
+            timer.start()
+        else:
+            self._failures.pop(key, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, config: OperatorConfig, clock: Callable[[], str] = utc_now) -> None:
+        self.kube = kube
+        self.config = config
+        self.clock = clock
+        self.queue = Coalescer(self._reconcile_key)
+
+    def request(self, namespace: str, name: str) -> None:
+        self.queue.request((namespace, name))
+
+    def resync(self) -> None:
+        for namespace, name in self.kube.list_services(self.config.namespaces):
+            self.request(namespace, name)
+
+    def _reconcile_key(self, key: Hashable) -> None:
+        namespace, name = key  # type: ignore[misc]
+        self.reconcile(namespace, name)
+
+    def reconcile(self, namespace: str, name: str) -> None:
+        metrics.RECONCILES.inc()
+        start = time.perf_counter()
+        owner = None
+        try:
+            owner = self.kube.get_service(namespace, name)
+            if owner is None or owner["metadata"].get("deletionTimestamp"):
+                return  # garbage collection removes the children through their owner references
+            plan = plan_reconcile(owner, self.kube.observe(owner), self.config, self.clock())
+            self.kube.execute(namespace, plan)
+            metrics.GROUP_RESTARTS.inc(plan.group_restarts)
+            metrics.GROUP_UPDATES.inc(plan.group_updates)
+            for type_, reason, message in plan.events:
+                self.post_event(owner, type_, reason, message)
+            if status_changed(owner.get("status"), plan.status):
+                self.kube.patch_status(namespace, name, plan.status)
+        except Exception as error:
+            metrics.RECONCILE_ERRORS.inc()
+            gone = isinstance(error, ApiException) and error.status == 404
+            if owner is not None and not gone:
+                self._report_error(owner, f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            metrics.RECONCILE_DURATION.observe(time.perf_counter() - start)
+
+    def _report_error(self, owner: dict, message: str) -> None:
+        meta = owner["metadata"]
+        try:
+            self.kube.patch_status(meta["namespace"], meta["name"], error_status(owner, message[:1000], self.clock()))
+        except Exception:  # noqa: BLE001 - the original error is what gets raised
+            log.warning("could not record the reconcile error in the status of %s/%s", meta["namespace"], meta["name"])
+
+    def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
+        meta = owner["metadata"]
+        now = datetime.now(timezone.utc)
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+            involved_object=client.V1ObjectReference(
+                api_version=API_VERSION, kind=KIND, name=meta["name"], namespace=meta["namespace"], uid=meta["uid"]
+            ),
+            type=type_,
+            reason=reason,
+            message=message,
+            source=client.V1EventSource(component=MANAGED_BY),
+            reporting_component=MANAGED_BY,
+            reporting_instance=MANAGED_BY,
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        try:
+            self.kube.core.create_namespaced_event(meta["namespace"], event)
+        except ApiException as error:
+            log.warning("could not post event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], error.reason)

@@ -1,0 +1,202 @@
+"""LLMService spec -> ServiceSpec: defaults applied, every rule of the CRD checked again.
+
+The API server enforces the same rules through the CRD schema and its CEL validations; checking
+them here too means an object stored under an older CRD, or a rule the cluster could not enforce,
+surfaces as `Ready=False, reason=InvalidSpec` with a message naming the field, never as a field
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep_operator.constants import DEFAULT_NUM_SCHEDULER_STEPS
+
+# Flags the operator derives from spec fields; repeating them in extraArgs would be ambiguous.
+OWNED_FLAGS = (
+    "--port",
+    "--host",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--num-scheduler-steps",
+    "--max-num-seqs",
+    "--max-model-len",
+    "--served-model-name",
+)
+_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_PVC_RE = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/[^/].*)?$")
+MAX_NAME_LENGTH = 40
+MAX_RANKS_PER_GROUP = 256
+
+
+class SpecError(ValueError):
+    """A spec a user wrote cannot be served; the message names the field and the allowed values."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    source: str
+    served_name: str
+    num_scheduler_steps: int | None  # None when adaptive
+    tensor: int
+    pipeline: int
+    gpus_per_pod: int
+    replicas: int
+    image: str
+    image_pull_policy: str | None
+    max_num_seqs: int | None
+    max_model_len: int | None
+    extra_args: tuple[str, ...]
+    shm_size: str | None
+    resources: Mapping[str, Any]
+    env: tuple[Mapping[str, Any], ...]
+    template: Mapping[str, Any]
+    startup_timeout_seconds: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return max(self.gpus_per_pod, 1)
+
+    @property
+    def pods_per_group(self) -> int:
+        return self.world_size // self.ranks_per_pod
+
+    @property
+    def steps(self) -> str:
+        """The value of --num-scheduler-steps."""
+        return "auto" if self.num_scheduler_steps is None else str(self.num_scheduler_steps)
+
+    @property
+    def pvc_claim(self) -> str | None:
+        match = _PVC_RE.match(self.source)
+        return match.group("claim") if match else None
+
+
+def _int(raw: Mapping[str, Any], key: str, field: str, default: int | None, low: int, high: int) -> int | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(field, f"must be an integer in {low}..{high}, got {value!r}")
+    if not low <= value <= high:
+        raise SpecError(field, f"must be in {low}..{high}, got {value}")
+    return value
+
+
+def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"spec.{key}", f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _check_name(name: str) -> None:
+    if len(name) > MAX_NAME_LENGTH or not _NAME_RE.match(name):
+        raise SpecError(
+            "metadata.name",
+            f"must be a DNS label of at most {MAX_NAME_LENGTH} characters starting with a letter, got {name!r}",
+        )
+
+
+def _check_source(source: Any) -> str:
+    if not isinstance(source, str) or not source:
+        raise SpecError("spec.model.source", f"is required (smollm2, random:<shape>, /path or pvc://claim/path), got {source!r}")
+    if source.startswith("pvc://") and not _PVC_RE.match(source):
+        raise SpecError("spec.model.source", f"must look like pvc://<claim-name>/<path inside the claim>, got {source!r}")
+    return source
+
+
+def _check_extra_args(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(a, str) for a in raw):
+        raise SpecError("spec.engine.extraArgs", f"must be a list of strings, got {raw!r}")
+    for arg in raw:
+        flag = arg.split("=", 1)[0]
+        if flag in OWNED_FLAGS:
+            raise SpecError(
+                "spec.engine.extraArgs",
+                f"must not set {flag} (the operator sets {', '.join(OWNED_FLAGS)} from spec fields); use the matching spec field",
+            )
+    return tuple(raw)
+
+
+def _check_env(raw: Any) -> tuple[Mapping[str, Any], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise SpecError("spec.engine.env", f"must be a list of EnvVar objects, got {raw!r}")
+    for item in raw:
+        name = item.get("name", "") if isinstance(item, Mapping) else ""
+        if not name:
+            raise SpecError("spec.engine.env", f"every item needs a name, got {item!r}")
+        if name.startswith("LOCKSTEP_"):
+            raise SpecError("spec.engine.env", f"must not set {name}: LOCKSTEP_* variables belong to the engine pod contract")
+    return tuple(raw)
+
+
+def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> ServiceSpec:
+    """Validate an LLMService's `spec` and fill in defaults; raises SpecError."""
+    _check_name(name)
+    model = _section(raw, "model")
+    decode = _section(raw, "decode")
+    parallelism = _section(raw, "parallelism")
+    engine = _section(raw, "engine")
+    startup = _section(raw, "startup")
+
+    adaptive = bool(decode.get("adaptive", False))
+    steps = _int(decode, "numSchedulerSteps", "spec.decode.numSchedulerSteps", None, 1, 64)
+    if adaptive and steps is not None:
+        raise SpecError("spec.decode.numSchedulerSteps", "cannot be set together with decode.adaptive: true (adaptive chooses the step count)")
+    if not adaptive and steps is None:
+        steps = DEFAULT_NUM_SCHEDULER_STEPS
+
+    tensor = _int(parallelism, "tensor", "spec.parallelism.tensor", 1, 1, 64)
+    pipeline = _int(parallelism, "pipeline", "spec.parallelism.pipeline", 1, 1, 64)
+    gpus_per_pod = _int(parallelism, "gpusPerPod", "spec.parallelism.gpusPerPod", 1, 0, 16)
+    assert tensor is not None and pipeline is not None and gpus_per_pod is not None
+    world_size = tensor * pipeline
+    if world_size % max(gpus_per_pod, 1):
+        raise SpecError(
+            "spec.parallelism.gpusPerPod",
+            f"tensor * pipeline ({world_size}) must be divisible by gpusPerPod ({gpus_per_pod})",
+        )
+    if world_size > MAX_RANKS_PER_GROUP:
+        raise SpecError("spec.parallelism", f"tensor * pipeline ({world_size}) must be at most {MAX_RANKS_PER_GROUP}")
+
+    replicas = _int(raw, "replicas", "spec.replicas", 1, 0, 1024)
+    startup_timeout = _int(startup, "timeoutSeconds", "spec.startup.timeoutSeconds", 1800, 30, 86400)
+    assert replicas is not None and startup_timeout is not None
+    shm_size = engine.get("shmSize")
+    return ServiceSpec(
+        name=name,
+        source=_check_source(model.get("source")),
+        served_name=model.get("servedName") or name,
+        num_scheduler_steps=steps,
+        tensor=tensor,
+        pipeline=pipeline,
+        gpus_per_pod=gpus_per_pod,
+        replicas=replicas,
+        image=engine.get("image") or default_image,
+        image_pull_policy=engine.get("imagePullPolicy"),
+        max_num_seqs=_int(engine, "maxNumSeqs", "spec.engine.maxNumSeqs", None, 1, 65536),
+        max_model_len=_int(engine, "maxModelLen", "spec.engine.maxModelLen", None, 16, 1048576),
+        extra_args=_check_extra_args(engine.get("extraArgs")),
+        shm_size=None if shm_size is None else str(shm_size),
+        resources=dict(engine.get("resources") or {}),
+        env=_check_env(engine.get("env")),
+        template=dict(raw.get("template") or {}),
+        startup_timeout_seconds=startup_timeout,
+    )
