@@ -136,6 +136,7 @@ def engine_env(spec: ServiceSpec, namespace: str, index: int, config: OperatorCo
         {"name": "LOCKSTEP_RANKS_PER_POD", "value": str(spec.ranks_per_pod)},
         {"name": "LOCKSTEP_WORLD_SIZE", "value": str(spec.world_size)},
         {"name": "LOCKSTEP_LEADER_ADDR", "value": leader_address(spec, namespace, index, config)},
+        {"name": "LOCKSTEP_HTTP_PORT", "value": str(ENGINE_PORT)},
         {"name": "LOCKSTEP_RENDEZVOUS_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "LOCKSTEP_GROUP", "value": str(index)},
         {"name": "LOCKSTEP_LEADER_WAIT_SECONDS", "value": str(LEADER_WAIT_SECONDS)},

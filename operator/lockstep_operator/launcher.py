@@ -17,7 +17,7 @@ export LOCKSTEP_RANK
 
 if [ "${1:-}" = "--probe" ]; then
   [ "$LOCKSTEP_POD_INDEX" = 0 ] || exit 0
-  exec python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=4)'
+  exec python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:${LOCKSTEP_HTTP_PORT:-8000}/health', timeout=4)"
 fi
 
 if [ "$LOCKSTEP_POD_INDEX" = 0 ]; then

@@ -114,12 +114,12 @@ def lost_member(group: Group) -> str | None:
     members = recorded_members(group.statefulset or {})
     if not members:
         return None
-    live = {pod["metadata"]["uid"] for pod in group.pods}
-    if members - live:
-        return f"{len(members - live)} of its pods was deleted" if len(members - live) == 1 else f"{len(members - live)} of its pods were deleted"
     replaced = [_name(p) for p in group.pods if p["metadata"]["uid"] not in members]
     if replaced:
         return f"pod {replaced[0]} was replaced"
+    lost = len(members - {pod["metadata"]["uid"] for pod in group.pods})
+    if lost:
+        return f"{lost} of its pods {'was' if lost == 1 else 'were'} deleted"
     return None
 
 

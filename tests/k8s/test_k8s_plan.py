@@ -1,0 +1,319 @@
+"""The reconcile plan: scaling, group restarts, group-by-group rollouts and level-based status.
+
+A small in-memory world stands in for the API server and the StatefulSet controller: it stores
+what a plan applies and makes one pod per rank slot from the StatefulSet's current template.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+from lockstep_operator import builders
+from lockstep_operator.config import OperatorConfig
+from lockstep_operator.constants import ANNOTATION_MEMBERS, ANNOTATION_RESTARTS, LABEL_GROUP, LABEL_POD_INDEX
+from lockstep_operator.plan import Observed, Plan, plan_reconcile, status_changed
+
+CONFIG = OperatorConfig(engine_image="registry.example/lockstep:9.9.9")
+NOW = "2026-11-29T12:00:00Z"
+LATER = "2026-11-29T12:05:00Z"
+_uids = (f"uid-{n}" for n in itertools.count())
+
+
+class World:
+    def __init__(self, spec: dict) -> None:
+        self.owner = {
+            "metadata": {"name": "llama", "namespace": "prod", "uid": "owner-uid", "generation": 1},
+            "spec": spec,
+        }
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.pods: dict[str, dict] = {}
+
+    def observed(self) -> Observed:
+        kinds = {"StatefulSet": [], "Service": [], "ConfigMap": []}
+        for (kind, _), obj in sorted(self.objects.items()):
+            kinds[kind].append(copy.deepcopy(obj))
+        return Observed(kinds["StatefulSet"], kinds["Service"], kinds["ConfigMap"], [copy.deepcopy(p) for p in self.pods.values()])
+
+    def plan(self, now: str = NOW) -> Plan:
+        return plan_reconcile(copy.deepcopy(self.owner), self.observed(), CONFIG, now)
+
+    def execute(self, plan: Plan) -> None:
+        for obj in plan.apply:
+            key = (obj["kind"], obj["metadata"]["name"])
+            stored = copy.deepcopy(obj)
+            old = self.objects.get(key)
+            stored["metadata"]["uid"] = old["metadata"]["uid"] if old else next(_uids)
+            if old:  # annotations written by merge patches survive an apply that does not own them
+                stored["metadata"]["annotations"] = {**old["metadata"].get("annotations", {}), **stored["metadata"]["annotations"]}
+            self.objects[key] = stored
+        for kind, name in plan.delete:
+            self.objects.pop((kind, name))
+            if kind == "StatefulSet":
+                self.pods = {n: p for n, p in self.pods.items() if not n.startswith(name + "-")}
+        for name, uid in plan.delete_pods:
+            if self.pods.get(name, {}).get("metadata", {}).get("uid") == uid:
+                del self.pods[name]
+        for name, annotations in plan.annotate:
+            self.objects[("StatefulSet", name)]["metadata"].setdefault("annotations", {}).update(annotations)
+        if plan.status:
+            self.owner["status"] = plan.status
+
+    def run_statefulset_controller(self) -> None:
+        for (kind, name), sts in self.objects.items():
+            if kind != "StatefulSet":
+                continue
+            for ordinal in range(sts["spec"]["replicas"]):
+                pod_name = f"{name}-{ordinal}"
+                if pod_name not in self.pods:
+                    template = copy.deepcopy(sts["spec"]["template"])
+                    labels = {**template["metadata"]["labels"], LABEL_POD_INDEX: str(ordinal)}
+                    self.pods[pod_name] = {
+                        "metadata": {"name": pod_name, "uid": next(_uids), "labels": labels},
+                        "spec": template["spec"],
+                        "status": {"phase": "Pending"},
+                    }
+
+    def set_ready(self, group: int | None = None) -> None:
+        for pod in self.pods.values():
+            if group is None or pod["metadata"]["labels"][LABEL_GROUP] == str(group):
+                pod["status"] = {
+                    "phase": "Running",
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                    "containerStatuses": [{"name": "engine", "restartCount": 0, "ready": True}],
+                }
+
+    def settle(self, rounds: int = 4) -> Plan:
+        """Reconcile until nothing is left to do (as the real operator does on events)."""
+        plan = self.plan()
+        for _ in range(rounds):
+            self.execute(plan)
+            self.run_statefulset_controller()
+            plan = self.plan()
+            if not (plan.apply or plan.delete or plan.delete_pods or plan.annotate):
+                break
+        self.execute(plan)
+        return plan
+
+    def pod_uids(self, group: int) -> set[str]:
+        return {p["metadata"]["uid"] for n, p in self.pods.items() if n.startswith(f"llama-g{group}-")}
+
+    def condition(self, type_: str) -> dict:
+        return next(c for c in self.owner["status"]["conditions"] if c["type"] == type_)
+
+
+def ready_world(replicas: int = 2, tensor: int = 2) -> World:
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": tensor, "gpusPerPod": 1}, "replicas": replicas})
+    world.settle()
+    world.set_ready()
+    world.settle()
+    return world
+
+
+def test_a_new_service_gets_its_objects_and_starts_unready():
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": 2, "gpusPerPod": 1}, "replicas": 2})
+    plan = world.plan()
+    assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [
+        ("ConfigMap", "llama-engine"), ("Service", "llama"),
+        ("Service", "llama-g0"), ("StatefulSet", "llama-g0"),
+        ("Service", "llama-g1"), ("StatefulSet", "llama-g1"),
+    ]  # fmt: skip
+    assert plan.status["podsPerGroup"] == 2
+    assert plan.status["conditions"][0]["status"] == "False"
+    world.settle()
+    assert len(world.pods) == 4
+    assert world.owner["status"]["readyReplicas"] == 0
+    assert world.condition("Progressing")["reason"] == "GroupsStarting"
+
+
+def test_ready_pods_make_the_service_ready_with_counts_and_generation():
+    world = ready_world()
+    status = world.owner["status"]
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
+    assert status["observedGeneration"] == 1
+    assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]} == {
+        "Ready": ("True", "AllGroupsReady"),
+        "Available": ("True", "GroupsAvailable"),
+        "Progressing": ("False", "Complete"),
+        "Degraded": ("False", "AsExpected"),
+    }
+    assert all(c["observedGeneration"] == 1 for c in status["conditions"])
+    assert [g["state"] for g in status["groups"]] == ["Ready", "Ready"]
+
+
+def test_a_settled_service_needs_no_writes():
+    world = ready_world()
+    plan = world.plan(LATER)
+    assert not (plan.apply or plan.delete or plan.delete_pods or plan.annotate)
+    assert not status_changed(world.owner["status"], plan.status)
+    # Transition times stay when nothing changed.
+    assert plan.status["conditions"] == world.owner["status"]["conditions"]
+
+
+def test_complete_groups_record_their_members():
+    world = ready_world()
+    sts = world.objects[("StatefulSet", "llama-g1")]
+    assert set(sts["metadata"]["annotations"][ANNOTATION_MEMBERS].split(",")) == world.pod_uids(1)
+
+
+def test_a_restarted_container_restarts_its_whole_group_only():
+    world = ready_world()
+    before_g0, before_g1 = world.pod_uids(0), world.pod_uids(1)
+    world.pods["llama-g1-1"]["status"]["containerStatuses"][0]["restartCount"] = 1
+    plan = world.plan()
+    assert sorted(name for name, _ in plan.delete_pods) == ["llama-g1-0", "llama-g1-1"]
+    assert plan.group_restarts == 1
+    assert ("Warning", "GroupRestart", "restarting group 1: pod llama-g1-1 restarted") in plan.events
+    world.execute(plan)
+    assert world.condition("Degraded")["reason"] == "GroupRestarting"
+    assert world.owner["status"]["groups"][1]["state"] == "Restarting"
+    world.run_statefulset_controller()
+    world.settle()
+    assert world.pod_uids(0) == before_g0
+    assert not world.pod_uids(1) & before_g1
+    assert world.objects[("StatefulSet", "llama-g1")]["metadata"]["annotations"][ANNOTATION_RESTARTS] == "1"
+    world.set_ready(1)
+    world.settle()
+    assert world.condition("Ready")["status"] == "True"
+    assert world.owner["status"]["groups"][1]["restarts"] == 1
+
+
+def test_a_deleted_member_restarts_its_group():
+    world = ready_world()
+    del world.pods["llama-g0-1"]
+    plan = world.plan()
+    assert [name for name, _ in plan.delete_pods] == ["llama-g0-0"]
+    assert "1 of its pods was deleted" in plan.events[0][2]
+
+
+def test_a_replaced_member_restarts_its_group():
+    world = ready_world()
+    del world.pods["llama-g0-1"]
+    world.run_statefulset_controller()  # the StatefulSet made the replacement before we looked
+    plan = world.plan()
+    assert sorted(name for name, _ in plan.delete_pods) == ["llama-g0-0", "llama-g0-1"]
+    assert "pod llama-g0-1 was replaced" in plan.events[0][2]
+
+
+def test_a_failed_pod_restarts_its_group():
+    world = ready_world()
+    world.pods["llama-g1-0"]["status"]["phase"] = "Failed"
+    assert "pod llama-g1-0 failed" in world.plan().events[0][2]
+
+
+def test_scaling_up_creates_groups_and_touches_no_pods():
+    world = ready_world(replicas=2)
+    before = dict(world.pods)
+    world.owner["spec"]["replicas"] = 3
+    plan = world.plan()
+    assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [("Service", "llama-g2"), ("StatefulSet", "llama-g2")]
+    assert not plan.delete_pods
+    world.settle()
+    assert all(world.pods[n]["metadata"]["uid"] == p["metadata"]["uid"] for n, p in before.items())
+    assert world.condition("Ready")["status"] == "False"
+    world.set_ready(2)
+    world.settle()
+    assert world.owner["status"]["readyReplicas"] == 3
+
+
+def test_scaling_down_deletes_the_highest_groups():
+    world = ready_world(replicas=3)
+    world.owner["spec"]["replicas"] = 1
+    plan = world.plan()
+    assert plan.delete == [("StatefulSet", "llama-g2"), ("StatefulSet", "llama-g1"), ("Service", "llama-g1"), ("Service", "llama-g2")]
+    assert not plan.delete_pods
+    world.settle()
+    assert world.condition("Ready")["status"] == "True"
+
+
+def test_scaling_to_zero_is_ready_but_unavailable():
+    world = ready_world(replicas=1)
+    world.owner["spec"]["replicas"] = 0
+    world.settle()
+    world.settle()
+    assert not world.pods
+    assert world.condition("Ready")["reason"] == "ScaledToZero"
+    assert world.condition("Available")["status"] == "False"
+
+
+def test_a_spec_change_rolls_one_group_at_a_time():
+    world = ready_world(replicas=3)
+    world.owner["spec"]["decode"] = {"numSchedulerSteps": 4}
+    world.owner["metadata"]["generation"] = 2
+
+    def steps_by_group():
+        result = {}
+        for (kind, name), sts in world.objects.items():
+            if kind == "StatefulSet":
+                args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+                result[name] = args[args.index("--num-scheduler-steps") + 1]
+        return result
+
+    plan = world.plan()
+    assert sorted(name for name, _ in plan.delete_pods) == ["llama-g0-0", "llama-g0-1"]
+    world.settle()
+    assert steps_by_group() == {"llama-g0": "4", "llama-g1": "8", "llama-g2": "8"}
+    assert world.owner["status"]["updatedReplicas"] == 1
+    assert world.condition("Progressing")["reason"] == "RollingUpdate"
+    assert world.condition("Available")["status"] == "True"
+    assert world.owner["status"]["observedGeneration"] == 2
+
+    world.set_ready(0)
+    world.settle()
+    assert steps_by_group() == {"llama-g0": "4", "llama-g1": "4", "llama-g2": "8"}
+    world.set_ready(1)
+    world.settle()
+    assert steps_by_group() == {"llama-g0": "4", "llama-g1": "4", "llama-g2": "4"}
+    world.set_ready(2)
+    world.settle()
+    assert world.condition("Ready")["status"] == "True"
+    assert world.owner["status"]["updatedReplicas"] == 3
+
+
+def test_an_unavailable_outdated_group_is_replaced_at_once():
+    world = ready_world(replicas=2)
+    world.pods["llama-g1-0"]["status"]["conditions"][0]["status"] = "False"
+    world.owner["spec"]["decode"] = {"numSchedulerSteps": 2}
+    plan = world.plan()
+    replaced = {name.rsplit("-", 1)[0] for name, _ in plan.delete_pods}
+    # g1 is down anyway; g0 waits because another group is unavailable.
+    assert replaced == {"llama-g1"}
+
+
+def test_pods_from_the_old_template_under_an_updated_statefulset_are_replaced():
+    world = ready_world(replicas=1)
+    world.owner["spec"]["decode"] = {"numSchedulerSteps": 2}
+    world.execute(world.plan())
+    old_template = copy.deepcopy(world.pods)
+    world.run_statefulset_controller()
+    # The StatefulSet controller raced the update and made a pod from the previous revision.
+    world.pods["llama-g0-0"]["metadata"]["labels"] = old_template.get("llama-g0-0", world.pods["llama-g0-1"])["metadata"]["labels"] | {
+        "serving.lockstep.dev/revision": "stale"
+    }
+    plan = world.plan()
+    assert sorted(name for name, _ in plan.delete_pods) == ["llama-g0-0", "llama-g0-1"]
+    assert plan.status["groups"][0]["state"] == "Updating"
+
+
+def test_an_invalid_spec_changes_nothing_and_says_why():
+    world = ready_world(replicas=1)
+    world.owner["spec"]["parallelism"] = {"tensor": 3, "gpusPerPod": 2}
+    world.owner["metadata"]["generation"] = 2
+    plan = world.plan()
+    assert not (plan.apply or plan.delete or plan.delete_pods or plan.annotate)
+    world.execute(plan)
+    ready = world.condition("Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "tensor * pipeline (3) must be divisible by gpusPerPod (2)" in ready["message"]
+    assert world.owner["status"]["observedGeneration"] == 2
+
+
+def test_the_plan_never_writes_the_llmservice_spec():
+    world = ready_world(replicas=2)
+    world.owner["spec"]["replicas"] = 3
+    plan = world.plan()
+    assert {o["kind"] for o in plan.apply} <= {"ConfigMap", "Service", "StatefulSet"}
+    assert set(plan.status) == {
+        "observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
+        "podsPerGroup", "steps", "conditions", "groups",
+    }  # fmt: skip
