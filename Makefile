@@ -6,7 +6,7 @@ PORT ?= 8000
 EXTRAS ?= engine,gateway,operator,dev
 STAMP := .deps-installed
 
-.PHONY: run test install model lint bench-cpu clean
+.PHONY: run test install model lint bench-cpu clean k8s-bins
 
 $(STAMP): pyproject.toml
 	$(PIP) install --progress-bar off -e ".[$(EXTRAS)]"
@@ -20,8 +20,13 @@ model: install
 run: model
 	$(PYTHON) -m lockstep.cli serve $(MODEL) --port $(PORT)
 
-test: install
+test: install k8s-bins
 	$(PYTHON) -m pytest -q tests
+
+# etcd, kube-apiserver and kube-controller-manager for tests/k8s, built from Go modules once and
+# cached in ~/.cache/lockstep/kube (KUBEBUILDER_ASSETS is used where it has them).
+k8s-bins:
+	bash hack/kube/build.sh
 
 lint: install
 	lint-imports

@@ -8,6 +8,7 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+command -v go >/dev/null 2>&1 || export PATH="$PATH:/usr/local/go/bin"
 version="$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "$here/go.mod")"
 etcd_version="$(awk '$1 == "go.etcd.io/etcd/server/v3" { print $2 }' "$here/go.mod")"
 cache_root="${LOCKSTEP_KUBE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lockstep/kube}"
@@ -30,6 +31,7 @@ have() {
 build() {
   local name="$1" pkg="$2" flags="$3"
   if have "$name"; then return; fi
+  command -v go >/dev/null 2>&1 || { echo "build.sh: $name is missing and no Go toolchain is on PATH" >&2; exit 1; }
   echo "building $name ($pkg) into $out" >&2
   local start=$SECONDS
   # Build to a temporary name and rename, so an interrupted build never leaves a broken binary.
