@@ -17,14 +17,21 @@ from lockstep_engine.sources import resolve
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        source = resolve(config.model, seed=config.seed)
-        self.tokenizer = source.load_tokenizer() if source.load_tokenizer else None
-        self.config = config.with_model_limits(source.config.max_position_embeddings)
-        self.model_config = source.config
-        self.runner = ModelRunner(self.config, source)
+    def __init__(self, config: EngineConfig, share_model_with: "LLMEngine | None" = None):
+        """`share_model_with` reuses another engine's loaded weights and KV cache memory (benchmarks
+        and tests comparing window lengths); the other engine must be idle from then on."""
+        if share_model_with is None:
+            source = resolve(config.model, seed=config.seed)
+            self.tokenizer = source.load_tokenizer() if source.load_tokenizer else None
+            self.config = config.with_model_limits(source.config.max_position_embeddings)
+            self.model_config = source.config
+            self.runner = ModelRunner(self.config, source)
+        else:
+            other = share_model_with
+            self.tokenizer, self.model_config, self.runner = other.tokenizer, other.model_config, other.runner
+            self.config = config.with_model_limits(other.model_config.max_position_embeddings)
         self.core = EngineCore(self.config, self.runner)
-        self.processor = OutputProcessor(self.tokenizer, source.config.eos_token_ids)
+        self.processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._updated: dict[str, RequestState] = {}

@@ -17,12 +17,13 @@ Prompt = str | list[int] | dict
 class LLM:
     """Generates for a batch of prompts; keyword arguments are `EngineConfig` fields (vLLM's names)."""
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, share_model_with: "LLM | None" = None, **kwargs):
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; expected any of {sorted(known)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        other = share_model_with.engine if share_model_with is not None else None
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), share_model_with=other)
 
     @property
     def tokenizer(self):

@@ -10,6 +10,7 @@ streaming; nothing the next step needs comes back from the host.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,6 +26,18 @@ from lockstep_engine.scheduler import WindowPlan
 from lockstep_engine.sources import ModelSource, log
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def configure_cpu_threads() -> int:
+    """Intra-op threads on the CPU: all cores but one by default (LOCKSTEP_CPU_THREADS overrides).
+
+    OpenMP workers spin while they wait; when another busy process shares the cores (the API
+    server, a test client) every small matmul then waits on a descheduled thread, which measured
+    30x slower here on 2 cores. Leaving a core free avoids that.
+    """
+    threads = int(os.environ.get("LOCKSTEP_CPU_THREADS") or max((os.cpu_count() or 2) - 1, 1))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,6 +83,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, source.config.dtype)
         self.state = state
+        if self.device.type == "cpu":
+            configure_cpu_threads()
         mc = source.config
         self.backend = make_backend(config.attention_backend, mc.num_attention_heads // state.tp_size,
                                     max(mc.num_key_value_heads // state.tp_size, 1), mc.head_dim,
