@@ -36,6 +36,11 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     managed = {LABEL_MANAGED_BY: MANAGED_BY}
 
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # The same credentials as the Kubernetes client: in-cluster ServiceAccount or KUBECONFIG.
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def llmservice_event(type: str | None, name: str, namespace: str, **_: Any) -> None:
         if type != "DELETED":

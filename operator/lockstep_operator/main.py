@@ -67,7 +67,7 @@ async def _resync_forever(reconciler, interval: float) -> None:  # type: ignore[
 
 async def run(config: OperatorConfig) -> None:
     import kopf
-    from prometheus_client import start_http_server
+    from prometheus_client import disable_created_metrics, start_http_server
 
     from lockstep_operator.handlers import build_registry, operator_settings
     from lockstep_operator.kube import Kube
@@ -75,6 +75,7 @@ async def run(config: OperatorConfig) -> None:
     from lockstep_operator.reconciler import Reconciler
 
     load_kube_config()
+    disable_created_metrics()
     if config.metrics_port:
         start_http_server(config.metrics_port, addr=config.metrics_host, registry=REGISTRY)
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
@@ -104,6 +105,9 @@ def main(argv: list[str]) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if config.log_level != "DEBUG":
+        # kopf logs every handler call at INFO; ours only queue a reconcile, which logs its writes.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     asyncio.run(run(config))
     return 0
 
