@@ -1,0 +1,158 @@
+"""The Helm chart, rendered and linted by Helm's Go SDK, manifests checked against Kubernetes 1.37 schemas."""
+
+from __future__ import annotations
+
+import json
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from k8s_harness import CHART, EXAMPLE, crd_schema
+from lockstep_operator.config import OperatorConfig
+from lockstep_operator.spec import parse_spec
+
+K8S_VERSION = "1.37.0"
+# Kinds whose schemas come from CRDs, not from Kubernetes itself.
+CRD_KINDS = {"LLMService", "ServiceMonitor", "PodMonitor"}
+
+
+def render(values: dict | None = None) -> list[dict]:
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values or {}, name="lockstep", namespace="lockstep-system")
+    return [doc for path, text in manifests.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
+
+
+def test_helm_lint_reports_no_warnings_or_errors():
+    report = helm.lint(str(CHART), strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert problems == [] and report["errors"] == []
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"example": {"enabled": True}, "monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
+        {"operator": {"watchNamespaces": ["team-a", "team-b"]}, "gateway": {"discoveryNamespaces": ["team-a", "team-b"]}},
+        {"gateway": {"enabled": False}, "dashboards": {"enabled": False}},
+    ],
+    ids=["defaults", "everything-on", "namespaced", "operator-only"],
+)
+def test_every_rendered_manifest_validates_against_kubernetes_schemas(values):
+    docs = render(values)
+    assert docs
+    for doc in docs:
+        if doc["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_images_are_pinned_and_pods_run_as_non_root():
+    for doc in render():
+        if doc["kind"] == "Deployment":
+            pod = doc["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            for container in pod["containers"]:
+                assert container["image"].endswith(":0.1.0"), container["image"]
+                assert container["securityContext"]["allowPrivilegeEscalation"] is False
+                assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_operator_gets_the_engine_image_and_watches_what_it_is_allowed_to():
+    docs = render({"operator": {"watchNamespaces": ["team-a"]}})
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-operator")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "operator"
+    assert "--engine-image=ghcr.io/lockstep-dev/lockstep:0.1.0" in args
+    assert "--namespace=team-a" in args
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "lockstep-operator"]
+    assert [r["metadata"]["namespace"] for r in roles] == ["team-a"]
+    assert not [d for d in docs if d["kind"] == "ClusterRole"]
+
+
+def test_operator_rbac_is_least_privilege():
+    (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
+    verbs = {(rule["apiGroups"][0], resource): set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]}
+    assert verbs[("serving.lockstep.dev", "llmservices")] == {"get", "list", "watch"}  # never writes the spec
+    assert verbs[("serving.lockstep.dev", "llmservices/status")] == {"get", "patch", "update"}
+    assert verbs[("", "pods")] == {"get", "list", "watch", "delete"}
+    assert not any("*" in v for v in verbs.values())
+    assert ("", "secrets") not in verbs
+
+
+def test_selectors_hold_only_chart_owned_labels():
+    for doc in render({"commonLabels": {"team": "x"}, "operator": {"podLabels": {"a": "b"}}}):
+        if doc["kind"] == "Deployment":
+            assert set(doc["spec"]["selector"]["matchLabels"]) == {
+                "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+            }  # fmt: skip
+            assert doc["spec"]["template"]["metadata"]["labels"]["team"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator": {"image": {"tag": "latest"}}}, "at '/operator/image/tag': 'latest' does not match pattern '^(pin a version instead of latest)$'"),
+        ({"gateway": {"replicas": -1}}, "at '/gateway/replicas': minimum: got -1, want 0"),
+        ({"operator": {"logLevel": "LOUD"}}, "at '/operator/logLevel'"),
+        ({"operatr": {"enabled": True}}, "additional properties 'operatr' not allowed"),
+        ({"gateway": {"service": {"port": 70000}}}, "at '/gateway/service/port': maximum: got 70,000, want 65,535"),
+    ],
+    ids=["latest-tag", "negative-replicas", "log-level", "typo", "port"],
+)
+def test_values_schema_rejects_bad_values_with_a_clear_message(values, message):
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmValuesError) as caught:
+        chart.validate_schema(values)
+    assert message in str(caught.value)
+
+
+def test_every_values_key_is_in_the_schema_and_commented():
+    """A key is documented by a `# --` comment above it, or is a block whose keys all are."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    text = (CHART / "values.yaml").read_text()
+    lines = text.splitlines()
+    checked = []
+
+    def walk(node: yaml.MappingNode, schema_node: dict, path: str) -> None:
+        for key_node, value_node in node.value:
+            key = f"{path}{key_node.value}"
+            child = schema_node.get("properties", {}).get(key_node.value)
+            assert child is not None, f"{key} is missing from values.schema.json"
+            commented = lines[key_node.start_mark.line - 1].strip().startswith("# -- ")
+            if not commented and isinstance(value_node, yaml.MappingNode) and child.get("properties"):
+                walk(value_node, child, key + ".")
+                continue
+            assert commented, f"values.yaml: {key} has no '# --' comment above it"
+            checked.append(key)
+
+    walk(yaml.compose(text), schema, "")
+    assert "operator.image.tag" in checked and "example.spec" in checked
+
+
+def test_example_llmservice_is_valid_for_the_operator_and_in_the_chart():
+    example = yaml.safe_load(EXAMPLE.read_text())
+    spec = parse_spec(example["metadata"]["name"], example["spec"], default_image=OperatorConfig().engine_image)
+    assert (spec.tensor, spec.pods_per_group, spec.steps) == (2, 2, "8")
+    (rendered,) = [d for d in render({"example": {"enabled": True}}) if d["kind"] == "LLMService"]
+    assert rendered["apiVersion"] == "serving.lockstep.dev/v1alpha1"
+
+
+def test_the_dashboard_parses_and_shows_step_gap_next_to_latency():
+    (configmap,) = [d for d in render() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "lockstep-dashboard"]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(configmap["data"]["lockstep.json"])
+    exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
+    for metric in ("lockstep_step_gap_seconds_bucket", "lockstep_gpu_idle_seconds_total", "lockstep_operator_reconciles_total", "vllm:kv_cache_usage_perc"):
+        assert metric in exprs
+
+
+def test_the_crd_has_printer_columns_and_both_subresources():
+    crd = yaml.safe_load((CHART / "crds" / "llmservices.serving.lockstep.dev.yaml").read_text())
+    version = crd["spec"]["versions"][0]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "Available", "Steps", "TP", "PP", "Model", "Age"]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector",
+    }  # fmt: skip
+    assert "status" in version["subresources"]
+    assert crd_schema()["properties"]["spec"]["properties"]["decode"]["properties"]["numSchedulerSteps"]["maximum"] == 64
