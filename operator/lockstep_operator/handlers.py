@@ -29,6 +29,10 @@ def operator_settings() -> kopf.OperatorSettings:
     # Watches are restarted every few minutes, a cheap level-based resync on top of ours.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # Watch only the pods and StatefulSets the operator made (filtered by the API server).
+    managed = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+    settings.watching.label_selectors["v1", "pods"] = managed
+    settings.watching.label_selectors["apps", "v1", "statefulsets"] = managed
     return settings
 
 

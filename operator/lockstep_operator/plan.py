@@ -241,7 +241,10 @@ def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: Operato
     try:
         spec = parse_spec(meta["name"], owner.get("spec") or {}, default_image=config.engine_image)
     except SpecError as error:
-        return Plan(status=invalid_spec_status(owner, error, now), events=[("Warning", "InvalidSpec", str(error))])
+        status = invalid_spec_status(owner, error, now)
+        ready_before = next((c for c in (owner.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        reported = ready_before.get("reason") == "InvalidSpec" and ready_before.get("message") == str(error)
+        return Plan(status=status, events=[] if reported else [("Warning", "InvalidSpec", str(error))])
 
     plan = Plan()
     namespace = meta["namespace"]
@@ -299,6 +302,10 @@ def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: Operato
             _replace_pods(plan, group, {ANNOTATION_MEMBERS: ""})
             group.state = "Updating"
             continue
+        if sts_revision == target:
+            desired_sts = builders.group_statefulset(owner, spec, group.index, config)
+            if _needs_apply(desired_sts, group.statefulset) or group.statefulset["spec"]["replicas"] != spec.pods_per_group:
+                plan.apply.append(desired_sts)  # same revision: pods are not touched
         if sts_revision == target and not recorded_members(group.statefulset) and len(group.pods) == spec.pods_per_group:
             plan.annotate.append((_name(group.statefulset), {ANNOTATION_MEMBERS: ",".join(sorted(p["metadata"]["uid"] for p in group.pods))}))
         if sts_revision != target:
