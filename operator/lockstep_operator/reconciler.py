@@ -7,6 +7,7 @@ of pod events costs a couple of passes, never one per event and never two at onc
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -23,6 +24,20 @@ from lockstep_operator.kube import Kube
 from lockstep_operator.plan import error_status, plan_reconcile, status_changed
 
 log = logging.getLogger(__name__)
+
+
+def going_away(error: ApiException) -> bool:
+    """The LLMService or its namespace is being deleted: the failure needs no retry."""
+    return error.status == 404 or (error.status == 403 and "NamespaceTerminating" in str(error.body))
+
+
+def _api_message(error: ApiException) -> str:
+    if not error.body:
+        return ""
+    try:
+        return json.loads(error.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return str(error.body)[:500]
 
 
 def utc_now() -> str:
@@ -111,16 +126,22 @@ class Reconciler:
                 self.post_event(owner, type_, reason, message)
             if status_changed(owner.get("status"), plan.status):
                 self.kube.patch_status(namespace, name, plan.status)
+        except ApiException as error:
+            if going_away(error):
+                log.info("%s/%s or its namespace is being deleted; nothing to reconcile", namespace, name)
+                return
+            self._fail(owner, f"{error.status} {error.reason}: {_api_message(error)}")
+            raise
         except Exception as error:
-            metrics.RECONCILE_ERRORS.inc()
-            gone = isinstance(error, ApiException) and error.status == 404
-            if owner is not None and not gone:
-                self._report_error(owner, f"{type(error).__name__}: {error}")
+            self._fail(owner, f"{type(error).__name__}: {error}")
             raise
         finally:
             metrics.RECONCILE_DURATION.observe(time.perf_counter() - start)
 
-    def _report_error(self, owner: dict, message: str) -> None:
+    def _fail(self, owner: dict | None, message: str) -> None:
+        metrics.RECONCILE_ERRORS.inc()
+        if owner is None:
+            return
         meta = owner["metadata"]
         try:
             self.kube.patch_status(meta["namespace"], meta["name"], error_status(owner, message[:1000], self.clock()))

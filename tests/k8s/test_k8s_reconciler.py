@@ -94,6 +94,18 @@ def test_a_failing_reconcile_counts_an_error_and_says_so_in_status():
     assert next(c for c in status["conditions"] if c["type"] == "Ready")["lastTransitionTime"] == "t0"
 
 
+def test_a_namespace_being_deleted_is_not_an_error():
+    body = '{"message": "namespace t-1 is being terminated", "details": {"causes": [{"reason": "NamespaceTerminating"}]}}'
+    error = ApiException(status=403, reason="Forbidden")
+    error.body = body
+    kube = FakeKube(OWNER, error=error)
+    reconciler = Reconciler(kube, OperatorConfig(), clock=lambda: "t1")  # type: ignore[arg-type]
+    errors = metrics.RECONCILE_ERRORS._value.get()
+    reconciler.reconcile("prod", "llama")  # returns: nothing to retry
+    assert metrics.RECONCILE_ERRORS._value.get() == errors
+    assert kube.statuses == []
+
+
 def test_a_reconcile_counts_and_times_itself():
     kube = FakeKube(OWNER)
     reconciler = Reconciler(kube, OperatorConfig(), clock=lambda: "t1")  # type: ignore[arg-type]
