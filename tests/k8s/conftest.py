@@ -149,4 +149,7 @@ def namespace(kubectl: Kubectl) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     kubectl.run("create", "namespace", name)
     yield name
+    # LLMServices first, so the operator is not left restarting groups whose pods the namespace
+    # deletion removes; the rest goes with the namespace.
+    kubectl.run("delete", "llmservices", "--all", "-n", name, "--wait=true", "--timeout=30s", check=False)
     kubectl.run("delete", "namespace", name, "--wait=false", check=False)
