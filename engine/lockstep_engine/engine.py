@@ -43,34 +43,14 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise SamplingParamsError("prompt", token_ids, "at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise SamplingParamsError("prompt", bad, f"token ids in [0, {vocab})")
-        limit = self.config.max_model_len
-        if len(token_ids) >= limit:
-            raise SamplingParamsError("prompt", f"<{len(token_ids)} tokens>",
-                                      f"fewer than max_model_len={limit} tokens (leaving room for one output token)")
+        validate_prompt(self.config, self.model_config, token_ids)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None) -> str:
         """Validates and queues a request; raises SamplingParamsError naming the bad field."""
-        params.validate(self.config.max_logprobs)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(token_ids)
-        vocab = self.model_config.vocab_size
-        for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise SamplingParamsError(field_name, bad, f"token ids in [0, {vocab})")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.config.max_model_len:
-            # Like vLLM: max_tokens may not run past the context window.
-            raise SamplingParamsError("max_tokens", params.max_tokens,
-                                      f"at most {self.config.max_model_len - len(token_ids)} "
-                                      f"(max_model_len={self.config.max_model_len} minus {len(token_ids)} prompt tokens)")
+        validate_request(self.config, self.model_config, token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(request_id, token_ids, params, self.config.max_model_len, seed, prompt=text,
@@ -120,3 +100,33 @@ class LLMEngine:
                                     s.finish_reason, s.stop_reason) for s in state.sequences]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished,
                              num_cached_tokens=request.num_cached_tokens if request else 0)
+
+
+def validate_prompt(config: EngineConfig, model_config, token_ids: list[int]) -> None:
+    if not token_ids:
+        raise SamplingParamsError("prompt", token_ids, "at least one token")
+    vocab = model_config.vocab_size
+    bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise SamplingParamsError("prompt", bad, f"token ids in [0, {vocab})")
+    limit = config.max_model_len
+    if len(token_ids) >= limit:
+        raise SamplingParamsError("prompt", f"<{len(token_ids)} tokens>",
+                                  f"fewer than max_model_len={limit} tokens (leaving room for one output token)")
+
+
+def validate_request(config: EngineConfig, model_config, token_ids: list[int], params: SamplingParams) -> None:
+    """Checks a tokenized request against the model and the engine's limits (offline and server alike);
+    raises SamplingParamsError naming the bad field."""
+    params.validate(config.max_logprobs)
+    validate_prompt(config, model_config, token_ids)
+    vocab = model_config.vocab_size
+    for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise SamplingParamsError(field_name, bad, f"token ids in [0, {vocab})")
+    if params.max_tokens is not None and len(token_ids) + params.max_tokens > config.max_model_len:
+        # Like vLLM: max_tokens may not run past the context window.
+        raise SamplingParamsError("max_tokens", params.max_tokens,
+                                  f"at most {config.max_model_len - len(token_ids)} "
+                                  f"(max_model_len={config.max_model_len} minus {len(token_ids)} prompt tokens)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -76,9 +76,25 @@ class WindowTimings:
     gaps_s: list[float] = field(default_factory=list)  # idle between the end of step k and start of k+1
 
 
+class Guide(Protocol):
+    """Guided decoding for the sampling rows of one window (see lockstep_engine.guided).
+
+    Rows constrained by a grammar need the token of step k before the mask of step k+1 exists, so a
+    window with guided rows synchronises with the host once per step; other windows never do.
+    """
+
+    def allowed_mask(self) -> torch.Tensor: ...  # [rows, vocab] bool on the device
+
+    def accept(self, tokens: list[int]) -> None: ...  # -1: the row produced nothing this step
+
+
+GuideFactory = Callable[[list], "Guide | None"]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, state: ParallelState = SINGLE):
         self.config = config
+        self.guide_factory: GuideFactory | None = None  # set by the engine when guided decoding is available
         self.model_config = source.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, source.config.dtype)
@@ -227,6 +243,13 @@ class ModelRunner:
                 counts[index].index_add_(0, self._tensor(outputs), torch.ones(len(outputs), device=self.device))
         return counts
 
+    def _make_guide(self, rows) -> "Guide | None":
+        if not any(row.seq.request.params.json_schema is not None for row in rows):
+            return None
+        if self.guide_factory is None:
+            raise ValueError("response_format: guided decoding is not available in this engine")
+        return self.guide_factory(rows)
+
     @torch.inference_mode()
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None]) -> WindowTimings:
         timings = WindowTimings()
@@ -268,7 +291,8 @@ class ModelRunner:
             timings.forward_s.append(time.perf_counter() - forward_start)
             return timings
         logits = self.model.compute_logits(hidden[self._tensor(sample_index)]).float()
-        out = self.sampler(logits, t, num_generated, counts)
+        guide = self._make_guide(sampling_rows)
+        out = self.sampler(logits, t, num_generated, counts, guide.allowed_mask() if guide else None)
 
         # ---- device state of the decode steps that follow ----
         sel = self._tensor(sample_sel)
@@ -294,7 +318,8 @@ class ModelRunner:
                                          query_start_loc=None,
                                          max_seq_len=min(max_dec_len + step - 1, table_len))
                 hidden = self.model(tokens, dec_pos, meta)
-                out = self.sampler(self.model.compute_logits(hidden).float(), t, num_generated, counts)
+                out = self.sampler(self.model.compute_logits(hidden).float(), t, num_generated, counts,
+                                   guide.allowed_mask() if guide else None)
                 dec_pos = dec_pos + (~done).long()
             # The row sampled a valid token at this step unless it was already done.
             valid = ~done
@@ -308,6 +333,8 @@ class ModelRunner:
             last_end = time.perf_counter()
             timings.forward_s.append(last_end - forward_start)
             host_tokens = torch.where(valid, tokens, -1).tolist()
+            if guide is not None:
+                guide.accept(host_tokens)
             step_out = StepOutput(step=step, tokens=host_tokens)
             if out.logprobs is not None:
                 step_out.logprobs = out.logprobs.tolist()

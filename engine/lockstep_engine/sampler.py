@@ -82,10 +82,12 @@ class SampleOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors, num_generated: torch.Tensor,
-                 output_counts: torch.Tensor | None) -> SampleOutput:
-        # logits: [rows, vocab] float32; num_generated: [rows] output tokens so far
+                 output_counts: torch.Tensor | None, allowed: torch.Tensor | None = None) -> SampleOutput:
+        # logits: [rows, vocab] float32; num_generated: [rows] output tokens so far;
+        # allowed: [rows, vocab] bool from guided decoding (None: unconstrained)
         raw = logits
-        logits = logits.clone() if (t.logit_bias is not None or t.presence is not None) else logits
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if t.logit_bias is not None:
             logits = logits + t.logit_bias
         if t.stop_ids.shape[1]:

@@ -180,7 +180,7 @@ def _gguf_source(path: str, spec: str) -> ModelSource:
                 weight = _unpermute_rotary(weight, config.num_attention_heads)
             elif permute and name.endswith("k_proj.weight"):
                 weight = _unpermute_rotary(weight, config.num_key_value_heads)
-            yield name, torch.from_numpy(np.ascontiguousarray(weight))
+            yield name, torch.from_numpy(np.array(weight, dtype=np.float32, copy=True))
 
     def load_tokenizer():
         return _cached_gguf_tokenizer(path)

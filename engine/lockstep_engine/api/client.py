@@ -1,0 +1,277 @@
+"""`EngineCoreClient`: the API server's side of the engine-core process.
+
+It spawns the core, sends it `lockstep.protocol` messages and turns what comes back into per-request
+events on the asyncio loop. Detokenization and stop strings happen here, in the API process, through
+the engine's `OutputProcessor`; a stop string found here is sent back so the core stops computing.
+A reader thread blocks on the pipe so the event loop never does; a watchdog marks the core dead when
+its process exits, its heartbeat stops, or its loop stops making progress, and every request in
+flight then ends with an error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import threading
+import time
+from dataclasses import dataclass, field
+
+from lockstep import protocol as p
+from lockstep_engine.api import metrics
+from lockstep_engine.output_processor import OutputProcessor, RequestState
+
+WATCHDOG_INTERVAL_S = 0.25
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone or stuck; requests in flight cannot finish."""
+
+
+class RequestRejected(ValueError):
+    """The core refused a request the API server had accepted."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Generation:
+    """One request the API server is waiting on: one or more core requests (one per prompt)."""
+
+    request_ids: list[str]
+    states: list[RequestState]
+    updated: asyncio.Event = field(default_factory=asyncio.Event)
+    error: Exception | None = None
+    last_emitted_at: float = 0.0  # StepOutputs.emitted_at of the latest update (for latency metrics)
+
+    @property
+    def finished(self) -> bool:
+        return all(state.finished for state in self.states)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Waits for news (tokens, a finish or an error); raises on an error or a timeout."""
+        if self.error is None and not self.finished:
+            await asyncio.wait_for(self.updated.wait(), timeout_s)
+        self.updated.clear()
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class CoreTimeouts:
+    startup_s: float = 1800.0  # loading a large model from a slow disk
+    heartbeat_s: float = 10.0  # no message at all from the core for this long: dead
+    loop_stall_s: float = 300.0  # the loop made no progress (no step, no idle wait) for this long: stuck
+
+
+class EngineCoreClient:
+    def __init__(self, config, tokenizer, eos_token_ids: tuple[int, ...], timeouts: CoreTimeouts | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.timeouts = timeouts or CoreTimeouts()
+        self.processor = OutputProcessor(tokenizer, eos_token_ids)
+        self.ready: p.CoreReady | None = None
+        self.stats = p.EngineStats()
+        self.dead_reason: str | None = None
+        self._generations: dict[str, Generation] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready_event: asyncio.Event | None = None
+        self._last_heard = 0.0
+        self._loop_progress_at = 0.0
+        self._process = None
+        self._send_conn = None
+        self._send_lock = threading.Lock()
+        self._watchdog: asyncio.Task | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawns the core process; returns at once (`wait_ready` waits for the model)."""
+        from lockstep_engine.entrypoints.core_proc import run_engine_core
+
+        self._loop = asyncio.get_running_loop()
+        self._ready_event = asyncio.Event()
+        ctx = multiprocessing.get_context("spawn")
+        to_core_recv, to_core_send = ctx.Pipe(duplex=False)
+        from_core_recv, from_core_send = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=run_engine_core, args=(self.config, to_core_recv, from_core_send),
+                                    name="lockstep-engine-core")
+        self._process.start()
+        # Close our copies of the child's ends, so a dead child reads as EOF here.
+        to_core_recv.close()
+        from_core_send.close()
+        self._send_conn = to_core_send
+        self._last_heard = self._loop_progress_at = time.monotonic()
+        threading.Thread(target=self._read, args=(from_core_recv,), name="lockstep-core-reader", daemon=True).start()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def wait_ready(self) -> p.CoreReady:
+        waiter = asyncio.ensure_future(self._ready_event.wait())
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self.timeouts.startup_s)
+        except asyncio.TimeoutError:
+            self._mark_dead(f"the engine core did not load the model within {self.timeouts.startup_s:.0f} s")
+        if self.ready is None:
+            raise EngineDeadError(self.dead_reason or "the engine core failed to start")
+        return self.ready
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.ready is not None and self.dead_reason is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len({id(g) for g in self._generations.values()})
+
+    async def shutdown(self) -> None:
+        """Stops the core: a Shutdown message, then terminate/kill after a timeout. Idempotent."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        process = self._process
+        if process is None:
+            return
+        self._send(p.Shutdown())
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        while process.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if process.is_alive():
+            process.terminate()
+            process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join(5.0)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        if self._send_conn is not None:
+            self._send_conn.close()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def new_request_id(self, kind: str) -> str:
+        return f"{kind}-{next(self._ids)}-{time.monotonic_ns() & 0xFFFFFF:06x}"
+
+    def submit(self, request_ids: list[str], prompts: list[list[int]], params, prompt_texts: list[str | None]
+               ) -> Generation:
+        """Queues one core request per prompt (same params) and returns what to wait on."""
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "the engine core is not ready")
+        from lockstep_engine.entrypoints.core_proc import sampling_dict
+
+        sampling = sampling_dict(params)
+        states = [self.processor.add_request(rid, text, ids, params)
+                  for rid, ids, text in zip(request_ids, prompts, prompt_texts)]
+        generation = Generation(list(request_ids), states)
+        now = time.monotonic()
+        for rid, ids in zip(request_ids, prompts):
+            self._generations[rid] = generation
+            self._send(p.AddRequest(rid, list(ids), sampling, now))
+        return generation
+
+    def abort(self, generation: Generation) -> None:
+        """Stops a generation's unfinished requests (client gone); their blocks are freed by the core."""
+        pending = [rid for rid, state in zip(generation.request_ids, generation.states) if not state.finished]
+        self.release(generation)
+        if pending and self.is_healthy:
+            self._send(p.AbortRequests(pending))
+
+    def abort_all(self) -> None:
+        """Aborts every request in flight; their streams end with finish_reason 'abort'."""
+        if self._generations and self.is_healthy:
+            self._send(p.AbortRequests(list(self._generations)))
+
+    def release(self, generation: Generation) -> None:
+        for rid in generation.request_ids:
+            self._generations.pop(rid, None)
+            self.processor.remove(rid)
+
+    def _send(self, message) -> None:
+        if self._send_conn is None:
+            return
+        try:
+            with self._send_lock:
+                self._send_conn.send(message)
+        except (OSError, ValueError, EOFError) as error:
+            self._mark_dead(f"the engine core pipe is closed ({error})")
+
+    # ---- what comes back --------------------------------------------------------------------
+    def _read(self, conn) -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._loop.call_soon_threadsafe(self._mark_dead, "the engine core process exited")
+                return
+            self._loop.call_soon_threadsafe(self._on_message, message, time.monotonic())
+
+    def _on_message(self, message, received_at: float) -> None:
+        self._last_heard = received_at
+        if isinstance(message, p.StepOutputs):
+            self._loop_progress_at = max(self._loop_progress_at, message.emitted_at)
+            metrics.observe_output_ipc(received_at - message.emitted_at)
+            started = time.perf_counter()
+            self._on_outputs(message)
+            metrics.observe_detokenize(time.perf_counter() - started)
+        elif isinstance(message, p.EngineStats):
+            self.stats = message
+        elif isinstance(message, p.Heartbeat):
+            self._loop_progress_at = max(self._loop_progress_at, message.loop_progress_at)
+            self.stats = message.stats if self.ready is not None else self.stats
+        elif isinstance(message, p.RequestFailed):
+            generation = self._generations.get(message.request_id)
+            if generation is not None:
+                generation.error = RequestRejected(message.message, message.param)
+                generation.updated.set()
+                self.abort(generation)
+        elif isinstance(message, p.CoreReady):
+            self.ready = message
+            self._loop_progress_at = time.monotonic()
+            self._ready_event.set()
+        elif isinstance(message, p.CoreFailed):
+            self._mark_dead(message.message)
+
+    def _on_outputs(self, message: p.StepOutputs) -> None:
+        for output in message.outputs:
+            generation = self._generations.get(output.request_id)
+            if generation is None:
+                continue  # aborted or already answered
+            state, stop = self.processor.process(output)
+            if stop is not None:
+                self._send(p.StopSequence(output.request_id, output.index, stop))
+            generation.last_emitted_at = message.emitted_at
+            generation.updated.set()
+
+    # ---- health -----------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            now = time.monotonic()
+            if not self._process.is_alive():
+                self._mark_dead(f"the engine core process exited with code {self._process.exitcode}")
+            elif self.ready is None:
+                continue  # loading: the startup timeout applies
+            elif now - self._last_heard > self.timeouts.heartbeat_s:
+                self._mark_dead(f"no heartbeat from the engine core for {now - self._last_heard:.1f} s")
+            elif now - self._loop_progress_at > self.timeouts.loop_stall_s:
+                self._mark_dead(f"the engine core loop made no progress for {now - self._loop_progress_at:.1f} s")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        if self._ready_event is not None:
+            self._ready_event.set()
+        self._fail_all(EngineDeadError(f"engine core failed: {reason}"))
+
+    def _fail_all(self, error: Exception) -> None:
+        for generation in list(self._generations.values()):
+            if generation.error is None:
+                generation.error = error
+            generation.updated.set()
+        for rid in list(self._generations):
+            self.processor.remove(rid)
+        self._generations.clear()

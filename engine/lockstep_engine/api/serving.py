@@ -1,0 +1,474 @@
+"""Request handling behind the routes: OpenAI bodies -> engine requests -> responses and SSE streams.
+
+Each HTTP request becomes one engine request per prompt (all with the same `SamplingParams`); its
+text comes from the API process's output processor, so the engine loop only ever sees token ids.
+Streams send one chunk per choice per engine step that brought it tokens, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from lockstep_engine import guided
+from lockstep_engine.api import metrics
+from lockstep_engine.api.client import EngineCoreClient, EngineDeadError, Generation, RequestRejected
+from lockstep_engine.api.errors import APIError, bad_request, error_body
+from lockstep_engine.api.openai_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from lockstep_engine.engine import validate_request
+from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
+
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request, as vLLM caps them
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class _Job:
+    """What a handler needs to answer one HTTP request."""
+
+    response_id: str
+    created: int
+    model: str
+    n: int
+    generation: Generation
+    prompt_texts: list[str]  # for echo
+    include_usage: bool
+    num_logprobs: int | None  # None: no logprobs
+    echo: bool = False
+    chunk_object: str = "text_completion"
+    sent_finish: set = field(default_factory=set)
+    echoed: set = field(default_factory=set)
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineCoreClient, config, model_config, tokenizer, served_model_names: list[str],
+                 idle_timeout_s: float):
+        self.client = client
+        self.config = config  # EngineConfig resolved against the model's limits
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.served_model_names = served_model_names
+        self.idle_timeout_s = idle_timeout_s
+        self._token_strs: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist. Available: {', '.join(self.served_model_names)}.",
+                           "model")
+
+    # ---- inputs -----------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request(f"{param}: model {self.model_name!r} has no tokenizer; send token ids instead of text",
+                              param)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_str(self, token_id: int) -> str:
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+            self._token_strs[token_id] = text
+        return text
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                    template_kwargs: dict | None) -> list[int]:
+        if not self.has_chat_template:
+            raise bad_request(f"messages: model {self.model_name!r} has no chat template; use /v1/completions",
+                              "messages")
+        if not messages:
+            raise bad_request("messages: expected at least one message", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        conversation = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=bool(continue_final_message), tokenize=True, return_dict=False,
+                **(template_kwargs or {}))
+        except Exception as error:  # jinja2 errors and template raise_exception() calls
+            raise bad_request(f"messages: the chat template failed: {error}", "messages") from None
+        return list(ids)
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+        logit_bias = None
+        if body.logit_bias:
+            try:
+                logit_bias = {int(token): bias for token, bias in body.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
+        fields = dict(
+            n=1 if body.n is None else body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens or 0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logprobs=logprobs,
+            ignore_eos=bool(body.ignore_eos),
+            logit_bias=logit_bias,
+            skip_special_tokens=body.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            json_schema=self.json_schema(body),
+        )
+        try:
+            return SamplingParams(**fields)
+        except SamplingParamsError as error:
+            raise bad_request(str(error), error.param) from None
+
+    def json_schema(self, body: SamplingFields) -> dict | None:
+        fmt = body.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            schema = {"type": "object"}
+        elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise bad_request("response_format: type 'json_schema' needs json_schema.schema", "response_format")
+        else:
+            schema = fmt.json_schema.json_schema
+        ready = self.client.ready
+        if ready is not None and not ready.guided_decoding:
+            raise bad_request(f"response_format: model {self.model_name!r} has no tokenizer for guided decoding "
+                              f"(or llguidance is not installed)", "response_format")
+        try:
+            guided.compile_json_schema(schema)
+        except guided.GuidedDecodingError as error:
+            raise bad_request(f"response_format: {error}", "response_format") from None
+        return schema
+
+    def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        for ids in prompts:
+            try:
+                validate_request(self.config, self.model_config, ids, params)
+            except SamplingParamsError as error:
+                raise bad_request(str(error), error.param) from None
+
+    def submit(self, kind: str, prompts: list[list[int]], texts: list[str | None], params: SamplingParams
+               ) -> tuple[str, Generation]:
+        response_id = f"{kind}-{uuid.uuid4().hex}"
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        try:
+            return response_id, self.client.submit(request_ids, prompts, params, texts)
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from None
+
+    # ---- /v1/completions ----------------------------------------------------------------------
+    def completion_prompts(self, body: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [list(prompt)]
+        else:
+            items = list(prompt)
+        if not items or any(len(item) == 0 for item in items):
+            raise bad_request("prompt: expected a non-empty string, list of strings, token ids or lists of token ids",
+                              "prompt")
+        if len(items) > MAX_PROMPTS:
+            raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+        add_special = body.add_special_tokens is not False
+        ids = [self.encode(item, add_special) if isinstance(item, str) else list(item) for item in items]
+        texts = [item if isinstance(item, str) else None for item in items]
+        return ids, texts
+
+    async def create_completion(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        if body.suffix:
+            raise bad_request("suffix: fill-in-the-middle is not supported", "suffix")
+        if body.best_of is not None and body.best_of > 1:
+            raise bad_request("best_of: only best_of=1 is supported", "best_of")
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
+        prompts, texts = self.completion_prompts(body)
+        params = self.sampling_params(body, body.max_tokens, body.logprobs)
+        self.validate(prompts, params)
+        response_id, generation = self.submit("cmpl", prompts, texts, params)
+        job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation,
+                   [t if t is not None else self.decode(ids) for t, ids in zip(texts, prompts)] if body.echo else [],
+                   bool(body.stream_options and body.stream_options.include_usage), params.logprobs, bool(body.echo))
+        if body.stream:
+            return StreamingResponse(self._stream(job, self._completion_chunks), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        await self._wait_finished(job, request)
+        choices = []
+        for p_index, state in enumerate(generation.states):
+            for seq in state.sequences:
+                text = (job.prompt_texts[p_index] if job.echo else "") + seq.text
+                logprobs = self._completion_logprobs(seq.logprobs, 0) if job.num_logprobs is not None else None
+                choices.append({"index": p_index * job.n + seq.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
+        return JSONResponse({"id": response_id, "object": "text_completion", "created": job.created,
+                             "model": job.model, "choices": choices, "usage": _usage(generation)})
+
+    def _completion_chunks(self, job: _Job) -> list[dict]:
+        chunks = []
+        for p_index, state in enumerate(job.generation.states):
+            for seq in state.sequences:
+                key = (p_index, seq.index)
+                delta, new_logprobs, finishing = self._take_delta(job, key, seq)
+                if delta is None:
+                    continue
+                text = delta
+                if job.echo and key not in job.echoed:
+                    job.echoed.add(key)
+                    text = job.prompt_texts[p_index] + text
+                logprobs = None
+                if job.num_logprobs is not None:
+                    logprobs = self._completion_logprobs(new_logprobs, len(seq.text))
+                chunks.append({"id": job.response_id, "object": "text_completion", "created": job.created,
+                               "model": job.model,
+                               "choices": [{"index": p_index * job.n + seq.index, "text": text, "logprobs": logprobs,
+                                            "finish_reason": seq.finish_reason if finishing else None,
+                                            "stop_reason": seq.stop_reason if finishing else None}]})
+        return chunks
+
+    def _completion_logprobs(self, entries, text_offset: int) -> dict:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for entry in entries:
+            text = self.token_str(entry.token_id)
+            tokens.append(text)
+            token_logprobs.append(entry.logprob)
+            top = {self.token_str(token): logprob for token, logprob in entry.top}
+            top.setdefault(text, entry.logprob)
+            top_logprobs.append(top)
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+    async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        if body.tools and body.tool_choice != "none":
+            raise bad_request("tools: tool calling is not supported by this server", "tools")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        prompt = self.chat_prompt(body.messages, body.add_generation_prompt is not False,
+                                  bool(body.continue_final_message), body.chat_template_kwargs)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.sampling_params(body, max_tokens, logprobs)
+        self.validate([prompt], params)
+        response_id, generation = self.submit("chatcmpl", [prompt], [None], params)
+        job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation, [],
+                   bool(body.stream_options and body.stream_options.include_usage), params.logprobs,
+                   chunk_object="chat.completion.chunk")
+        if body.stream:
+            return StreamingResponse(self._stream(job, self._chat_chunks, self._chat_role_chunks(job)),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        await self._wait_finished(job, request)
+        choices = []
+        for seq in generation.states[0].sequences:
+            logprobs = {"content": self._chat_logprobs(seq.logprobs)} if job.num_logprobs is not None else None
+            choices.append({"index": seq.index, "message": {"role": "assistant", "content": seq.text},
+                            "logprobs": logprobs, "finish_reason": seq.finish_reason,
+                            "stop_reason": seq.stop_reason})
+        return JSONResponse({"id": response_id, "object": "chat.completion", "created": job.created,
+                             "model": job.model, "choices": choices, "usage": _usage(generation)})
+
+    def _chat_chunk(self, job: _Job, index: int, delta: dict, logprobs=None, finish_reason=None,
+                    stop_reason=None) -> dict:
+        return {"id": job.response_id, "object": "chat.completion.chunk", "created": job.created,
+                "model": job.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                             "stop_reason": stop_reason}]}
+
+    def _chat_role_chunks(self, job: _Job) -> list[dict]:
+        return [self._chat_chunk(job, i, {"role": "assistant", "content": ""}) for i in range(job.n)]
+
+    def _chat_chunks(self, job: _Job) -> list[dict]:
+        chunks = []
+        for seq in job.generation.states[0].sequences:
+            delta, new_logprobs, finishing = self._take_delta(job, (0, seq.index), seq)
+            if delta is None:
+                continue
+            logprobs = {"content": self._chat_logprobs(new_logprobs)} if job.num_logprobs is not None else None
+            chunks.append(self._chat_chunk(job, seq.index, {"content": delta} if delta or not finishing else {},
+                                           logprobs, seq.finish_reason if finishing else None,
+                                           seq.stop_reason if finishing else None))
+        return chunks
+
+    def _chat_logprobs(self, entries) -> list[dict]:
+        content = []
+        for entry in entries:
+            text = self.token_str(entry.token_id)
+            top = [{"token": self.token_str(token), "logprob": logprob,
+                    "bytes": list(self.token_str(token).encode("utf-8"))} for token, logprob in entry.top]
+            content.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8")),
+                            "top_logprobs": top})
+        return content
+
+    # ---- shared streaming and waiting ---------------------------------------------------------
+    @staticmethod
+    def _take_delta(job: _Job, key, seq):
+        """New text/tokens of one sample since the last chunk; (None, ..) when there is nothing to send."""
+        new_tokens = len(seq.token_ids) - seq.sent_tokens
+        releasable = seq.releasable_text()
+        delta = releasable[seq.sent_text_len:]
+        finishing = seq.finished and key not in job.sent_finish
+        if new_tokens <= 0 and not delta and not finishing:
+            return None, [], False
+        new_logprobs = seq.logprobs[seq.sent_tokens:] if job.num_logprobs is not None else []
+        seq.sent_tokens = len(seq.token_ids)
+        seq.sent_text_len = len(releasable)
+        if finishing:
+            job.sent_finish.add(key)
+        return delta, new_logprobs, finishing
+
+    async def _stream(self, job: _Job, make_chunks, first_chunks: list[dict] | None = None) -> AsyncIterator[str]:
+        generation = job.generation
+        completed = False
+        try:
+            if first_chunks:
+                yield "".join(_sse(chunk) for chunk in first_chunks)
+            while True:
+                chunks = make_chunks(job)
+                if chunks:
+                    payload = "".join(_sse(chunk) for chunk in chunks)
+                    metrics.observe_stream_delay(time.monotonic() - generation.last_emitted_at)
+                    yield payload
+                if generation.finished:
+                    break
+                try:
+                    await generation.wait(self.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    raise EngineDeadError(f"no output from the engine for {self.idle_timeout_s:.0f} s") from None
+            completed = True
+            tail = ""
+            if job.include_usage:
+                tail = _sse({"id": job.response_id, "object": job.chunk_object, "created": job.created,
+                             "model": job.model, "choices": [], "usage": _usage(generation)})
+            yield tail + SSE_DONE
+        except RequestRejected as error:
+            completed = True
+            yield _sse(error_body(400, str(error), error.param)) + SSE_DONE
+        except EngineDeadError as error:
+            completed = True
+            yield _sse(error_body(503, str(error))) + SSE_DONE
+        finally:
+            # A client that went away mid-stream lands here via cancellation: free its blocks.
+            if completed and generation.finished:
+                self.client.release(generation)
+            else:
+                self.client.abort(generation)
+
+    async def _wait_finished(self, job: _Job, request: Request) -> None:
+        generation = job.generation
+        watcher = asyncio.create_task(_watch_disconnect(request, generation))
+        try:
+            while not generation.finished:
+                await generation.wait(self.idle_timeout_s)
+        except asyncio.TimeoutError:
+            self.client.abort(generation)
+            raise APIError(503, f"no output from the engine for {self.idle_timeout_s:.0f} s") from None
+        except RequestRejected as error:
+            raise bad_request(str(error), error.param) from None
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from None
+        except _ClientGone:
+            self.client.abort(generation)
+            raise APIError(400, "the client disconnected before the response was ready") from None
+        finally:
+            watcher.cancel()
+        self.client.release(generation)
+
+    # ---- /tokenize, /detokenize -----------------------------------------------------------------
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("expected exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            tokens = self.chat_prompt(body.messages, body.add_generation_prompt is not False, False, None)
+        else:
+            tokens = self.encode(body.prompt, body.add_special_tokens is not False)
+        result = {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            result["token_strs"] = [self.token_str(t) for t in tokens]
+        return result
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        if self.tokenizer is None:
+            raise bad_request(f"tokens: model {self.model_name!r} has no tokenizer", "tokens")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
+        return {"prompt": self.decode(body.tokens)}
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its non-streaming response was ready."""
+
+
+async def _watch_disconnect(request: Request, generation: Generation) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            if not generation.finished and generation.error is None:
+                generation.error = _ClientGone()
+                generation.updated.set()
+            return
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{index}].content: only text parts are supported, got {part.type!r}",
+                              f"messages.{index}.content")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _usage(generation: Generation) -> dict:
+    prompt_tokens = sum(len(state.prompt_token_ids) for state in generation.states)
+    completion_tokens = sum(len(seq.token_ids) for state in generation.states for seq in state.sequences)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,1 @@
+"""Command-line entry points of the engine (`lockstep serve`, `generate`, `fetch`)."""

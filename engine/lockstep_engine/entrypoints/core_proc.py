@@ -1,0 +1,225 @@
+"""The engine-core process: model runner + `EngineCore` loop, driven by `lockstep.protocol` messages.
+
+Three threads, so the loop never waits on I/O: a reader turns the request pipe into an inbox queue,
+the loop drains it between steps (aborts and stop strings) and between windows (new requests), and
+a writer sends every step's outputs as they are emitted and a heartbeat whenever the pipe has been
+quiet for a while. The heartbeat carries the time of the loop's last progress, so the API server
+can tell a live process with a stuck loop from a healthy one.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict
+
+from lockstep import protocol as p
+
+HEARTBEAT_INTERVAL_S = 0.5
+IDLE_WAIT_S = 0.5
+
+
+class _Writer(threading.Thread):
+    def __init__(self, conn, core_loop: "CoreLoop"):
+        super().__init__(name="lockstep-core-writer", daemon=True)
+        self.conn = conn
+        self.loop = core_loop
+        self.outbox: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        last_sent = 0.0
+        while True:
+            try:
+                message = self.outbox.get(timeout=HEARTBEAT_INTERVAL_S)
+            except queue.Empty:
+                message = None
+            if message is None and time.monotonic() - last_sent < HEARTBEAT_INTERVAL_S:
+                continue
+            if message is None:
+                message = p.Heartbeat(time.monotonic(), self.loop.progress_at, self.loop.stats_snapshot)
+            try:
+                self.conn.send(message)
+            except (OSError, EOFError, ValueError):  # the API server is gone
+                os._exit(0)
+            last_sent = time.monotonic()
+            if isinstance(message, p.CoreFailed):
+                return
+
+    def send(self, message) -> None:
+        self.outbox.put(message)
+
+    def flush(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.outbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+class _Reader(threading.Thread):
+    def __init__(self, conn):
+        super().__init__(name="lockstep-core-reader", daemon=True)
+        self.conn = conn
+        self.inbox: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (OSError, EOFError):  # the API server closed its end or died: shut down
+                self.inbox.put(p.Shutdown())
+                return
+            self.inbox.put(message)
+
+
+class CoreLoop:
+    def __init__(self, core, writer: _Writer, reader: _Reader, seed: int):
+        self.core = core
+        self.writer = writer
+        self.reader = reader
+        self.progress_at = time.monotonic()
+        self.stats_snapshot = p.EngineStats()
+        self._seed_rng = random.Random(seed)
+        self._deferred: list[p.AddRequest] = []
+        self._stopping = False
+
+    # ---- messages ---------------------------------------------------------------------------
+    def _handle(self, message, in_window: bool) -> None:
+        if isinstance(message, p.AddRequest):
+            if in_window:
+                self._deferred.append(message)
+            else:
+                self._add(message)
+        elif isinstance(message, p.AbortRequests):
+            outputs = []
+            for request_id in message.request_ids:
+                outputs += self.core.abort_request(request_id)
+            if outputs:
+                self.writer.send(p.StepOutputs([_to_protocol(o) for o in outputs], time.monotonic()))
+        elif isinstance(message, p.StopSequence):
+            self.core.stop_sequence(message.request_id, message.index, message.stop)
+        elif isinstance(message, p.Shutdown):
+            self._stopping = True
+
+    def _add(self, message: p.AddRequest) -> None:
+        from lockstep_engine.sampling_params import SamplingParams
+        from lockstep_engine.sequence import Request
+
+        try:
+            params = SamplingParams(**message.sampling)
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            request = Request(message.request_id, list(message.prompt_token_ids), params,
+                              self.core.config.max_model_len, seed, arrival_time=message.arrival_time)
+            self.core.add_request(request)
+        except (ValueError, TypeError) as error:
+            self.writer.send(p.RequestFailed(message.request_id, str(error), getattr(error, "param", None)))
+
+    def _drain(self, block: bool, in_window: bool) -> None:
+        try:
+            message = self.reader.inbox.get(timeout=IDLE_WAIT_S) if block else self.reader.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message, in_window)
+            try:
+                message = self.reader.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _emit(self, outputs) -> None:
+        if outputs:
+            self.writer.send(p.StepOutputs([_to_protocol(o) for o in outputs], time.monotonic()))
+        self.progress_at = time.monotonic()
+        # Aborts and stop strings take effect inside the window: fewer wasted steps.
+        self._drain(block=False, in_window=True)
+
+    def _publish_stats(self) -> None:
+        core, stats = self.core, self.core.stats
+        snapshot = p.EngineStats(
+            num_running=core.num_running, num_waiting=core.num_waiting, kv_cache_usage=core.blocks.usage,
+            num_steps=stats.num_steps, num_windows=stats.num_windows,
+            num_generated_tokens=stats.num_generated_tokens, busy_s=stats.forward_s,
+            num_preemptions=getattr(core.scheduler, "num_preemptions", 0))
+        if snapshot != self.stats_snapshot:
+            self.stats_snapshot = snapshot
+            self.writer.send(snapshot)
+
+    def run(self) -> None:
+        while not self._stopping:
+            for message in self._deferred:
+                self._add(message)
+            self._deferred = []
+            self._drain(block=not self.core.has_unfinished(), in_window=False)
+            self.progress_at = time.monotonic()
+            if self._stopping:
+                break
+            if self.core.has_unfinished():
+                self.core.step(self._emit)
+            self._publish_stats()
+
+
+def _to_protocol(output) -> p.SequenceOutput:
+    logprobs = None
+    if output.logprobs is not None:
+        logprobs = [p.TokenLogprob(e.token_id, e.logprob, e.rank, list(e.top)) for e in output.logprobs]
+    return p.SequenceOutput(output.request_id, output.index, list(output.token_ids), logprobs,
+                            output.finish_reason, output.stop_reason)
+
+
+def _build_core(config):
+    """Loads the model and returns (core, tokenizer-backed guided decoding available)."""
+    from lockstep_engine import guided
+    from lockstep_engine.engine_core import EngineCore
+    from lockstep_engine.model_runner import ModelRunner
+    from lockstep_engine.sources import log, resolve
+
+    source = resolve(config.model, seed=config.seed)
+    config = config.with_model_limits(source.config.max_position_embeddings)
+    runner = ModelRunner(config, source)
+    has_guides = False
+    if source.load_tokenizer is not None and guided.is_available():
+        has_guides = guided.install(runner, source.load_tokenizer())
+        log("guided decoding: llguidance" if has_guides else "guided decoding: unavailable")
+    return EngineCore(config, runner), has_guides
+
+
+def run_engine_core(config, requests_conn, outputs_conn) -> None:
+    """Process entry point (multiprocessing 'spawn'); `config` is an `EngineConfig`."""
+    reader = _Reader(requests_conn)
+    loop = CoreLoop(None, None, reader, config.seed)
+    writer = _Writer(outputs_conn, loop)
+    loop.writer = writer
+    writer.start()
+    try:
+        core, has_guides = _build_core(config)
+    except Exception as error:  # anything at load time: report it, the API server exits non-zero
+        writer.send(p.CoreFailed(f"loading {config.model!r} failed: {error}"))
+        writer.flush(5.0)
+        traceback.print_exc()
+        sys.exit(1)
+    loop.core = core
+    reader.start()
+    runner = core.runner
+    writer.send(p.CoreReady(pid=os.getpid(), max_model_len=core.config.max_model_len,
+                            num_blocks=core.blocks.num_blocks, block_size=core.config.block_size,
+                            vocab_size=runner.model_config.vocab_size,
+                            num_scheduler_steps=core.config.num_scheduler_steps, guided_decoding=has_guides,
+                            device=str(runner.device)))
+    try:
+        loop.run()
+    except Exception:
+        message = traceback.format_exc()
+        writer.send(p.CoreFailed(f"engine core loop failed:\n{message}"))
+        writer.flush(5.0)
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(1)
+    writer.flush(5.0)
+
+
+def sampling_dict(params) -> dict:
+    """`SamplingParams` as the dict `AddRequest` carries."""
+    return asdict(params)

@@ -1,0 +1,170 @@
+"""`lockstep serve MODEL`: the OpenAI-compatible engine server, with vLLM's flag names.
+
+Two processes: this one runs uvicorn + FastAPI, the tokenizer and streaming; the engine core runs
+the model in a process of its own (spawned by the API server), so HTTP work never delays a step.
+SIGTERM (or Ctrl-C) drains: `/health` and new requests get 503, requests in flight finish within
+`--shutdown-grace-period` (then they are aborted), the engine core stops, and the exit code is 0.
+A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from dataclasses import fields
+
+from lockstep_engine.config import ConfigError, EngineConfig, parse_num_scheduler_steps
+
+DEFAULT_PORT = 8000
+
+
+def _steps(text: str):
+    try:
+        return parse_num_scheduler_steps(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lockstep serve", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("model", nargs="?", help="smollm2, random:<shape>, a .gguf file or a Hugging Face directory")
+    parser.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) clients use in 'model' (default: MODEL)")
+    server.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (env LOCKSTEP_API_KEY)")
+    server.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    server.add_argument("--request-idle-timeout", type=float, default=600.0,
+                        help="seconds a request may wait for its next token before it fails")
+    server.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM")
+    server.add_argument("--engine-start-timeout", type=float, default=1800.0,
+                        help="seconds the engine core may take to load the model")
+    server.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
+                        help="seconds without a heartbeat before the engine core counts as dead")
+    server.add_argument("--engine-stall-timeout", type=float, default=300.0,
+                        help="seconds without a finished step before the engine loop counts as stuck")
+    server.add_argument("--uvicorn-log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    engine = parser.add_argument_group("engine (vLLM's names)")
+    engine.add_argument("--num-scheduler-steps", type=_steps, default=8, help="decode steps per window, or 'auto'")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--tokenizer", default=None)
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument("--max-logprobs", type=int, default=20)
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    known = {f.name for f in fields(EngineConfig)}
+    values = {name: getattr(args, name) for name in known if hasattr(args, name)}
+    values["model"] = args.model
+    values["served_model_name"] = args.served_model_name[0] if args.served_model_name else None
+    return EngineConfig(**values)
+
+
+def parse_args(argv: list[str]):
+    from lockstep_engine.api.app import ServerSettings
+    from lockstep_engine.api.client import CoreTimeouts
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_flag:
+        args.model = args.model_flag
+    if not args.model:
+        parser.error("MODEL is required (e.g. lockstep serve smollm2)")
+    try:
+        config = engine_config_from_args(args)
+    except ConfigError as error:
+        parser.error(str(error))
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        parser.error("--tensor-parallel-size/--pipeline-parallel-size > 1 are not served yet (issue 5)")
+    for name in ("port", "max_request_body_bytes"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
+    settings = ServerSettings(
+        served_model_names=list(args.served_model_name or [args.model]),
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_request_body_bytes,
+        request_idle_timeout_s=args.request_idle_timeout,
+        shutdown_grace_s=args.shutdown_grace_period,
+        core_timeouts=CoreTimeouts(startup_s=args.engine_start_timeout, heartbeat_s=args.engine_heartbeat_timeout,
+                                   loop_stall_s=args.engine_stall_timeout),
+    )
+    return args, config, settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from lockstep_engine.api.app import build_app
+    from lockstep_engine.sources import log
+
+    args, config, settings = parse_args(list(sys.argv[1:] if argv is None else argv))
+    app = build_app(config, settings)
+    state = app.state.server
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server with a drain on the first SIGTERM/SIGINT instead of closing the listener."""
+
+        exit_code = 0
+        _drain_task = None
+
+        def handle_exit(self, sig, frame):
+            if self._drain_task is not None or not self.started:
+                self.should_exit = True
+                self.force_exit = self._drain_task is not None
+                return
+            loop = asyncio.get_event_loop()
+            self._drain_task = True
+            loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+        def _start_drain(self, name: str) -> None:
+            log(f"{name}: shutting down")
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+        async def _drain(self) -> None:
+            await state.drain()
+            self.should_exit = True
+
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                               timeout_graceful_shutdown=max(int(settings.shutdown_grace_s), 1),
+                               access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
+    server = DrainingServer(uv_config)
+
+    def on_fatal(message: str) -> None:
+        server.exit_code = 1
+        server.should_exit = True
+
+    state.on_fatal = on_fatal
+    log(f"serving {config.model!r} as {settings.served_model_names} on http://{args.host}:{args.port} "
+        f"(num_scheduler_steps={config.num_scheduler_steps})")
+    server.run()
+    if server.exit_code == 0 and not server.started:
+        return 1  # could not bind the port
+    return server.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
