@@ -1,0 +1,120 @@
+"""Messages between the API server process and the engine-core process.
+
+Plain dataclasses, pickled over a pipe: no torch, no web framework, nothing from the engine, so a
+gateway or a test can import them. The API side sends requests, aborts and stop-string hits; the
+core answers with one `StepOutputs` per decode step (streaming is per token, not per window), the
+stats the scheduler sees, and a heartbeat that proves its loop is alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+# ---- API server -> engine core -------------------------------------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # SamplingParams fields, already validated by the API server
+    arrival_time: float  # time.monotonic() of the API server (one clock per host)
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class StopSequence:
+    """The API server's output processor found a stop string: the sequence ends there."""
+
+    request_id: str
+    index: int
+    stop: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- engine core -> API server -------------------------------------------------------------
+@dataclass
+class CoreReady:
+    pid: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    num_scheduler_steps: Union[int, str]
+    guided_decoding: bool  # a grammar library and a tokenizer are there for response_format
+    device: str
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of the chosen token and the top-k alternatives (same fields as the engine's TokenLogprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SequenceOutput:
+    """New tokens of one sample of a request at one step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[SequenceOutput]
+    emitted_at: float  # time.monotonic() when the core handed the step over
+
+
+@dataclass
+class RequestFailed:
+    """The core refused a request it was sent (e.g. the prompt can never fit the KV cache)."""
+
+    request_id: str
+    message: str
+    param: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_steps: int = 0
+    num_windows: int = 0
+    num_generated_tokens: int = 0
+    busy_s: float = 0.0  # forward + sample time summed over steps
+    num_preemptions: int = 0
+
+
+@dataclass
+class Heartbeat:
+    sent_at: float
+    loop_progress_at: float  # last time the core loop finished a step or an idle wait
+    stats: EngineStats = field(default_factory=EngineStats)
+
+
+@dataclass
+class CoreFailed:
+    """The core hit an error it cannot go on from (at load or in the loop); it exits after this."""
+
+    message: str
+
+
+ToCore = Union[AddRequest, AbortRequests, StopSequence, Shutdown]
+FromCore = Union[CoreReady, StepOutputs, RequestFailed, EngineStats, Heartbeat, CoreFailed]
