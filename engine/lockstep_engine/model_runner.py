@@ -312,7 +312,9 @@ class ModelRunner:
                 forward_start = time.perf_counter()
                 if timings.forward_s:
                     timings.gaps_s.append(forward_start - last_end)
-                slot = dec_table.gather(1, (dec_pos // bs).unsqueeze(1)).squeeze(1) * bs + dec_pos % bs
+                # Done rows may point past their reservation: clamp, then send them to the sink.
+                block_index = (dec_pos // bs).clamp(max=dec_table.shape[1] - 1)
+                slot = dec_table.gather(1, block_index.unsqueeze(1)).squeeze(1) * bs + dec_pos % bs
                 slot = torch.where(done, sink, slot)
                 meta = AttentionMetadata(slot_mapping=slot, block_tables=dec_table, seq_lens=dec_pos + 1,
                                          query_start_loc=None,

@@ -1,0 +1,101 @@
+"""Device-side sampling: seeds independent of batch and window, n > 1, filters, penalties, bias."""
+
+import pytest
+
+from lockstep_engine.sampling_params import SamplingParams
+
+PROMPTS = [[1, 5, 9, 13], [100, 200, 300], [7] * 20, [42, 43]]
+
+
+def _tokens(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def test_seeded_sampling_is_the_same_for_any_window_and_batch(make_llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    target = {"prompt_token_ids": [504, 3575, 282, 4649, 314]}
+    others = [{"prompt_token_ids": p} for p in PROMPTS]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12)
+    results = []
+    for steps, batch in ((1, []), (8, []), (8, others), (3, others[:2]), ("auto", others)):
+        llm = make_llm(num_scheduler_steps=steps)
+        outputs = llm.generate([target] + batch, [params] + [unseeded] * len(batch))
+        results.append(outputs[0].outputs[0].text)
+    assert all(text == results[0] for text in results), results
+    assert len(set(results[0].split())) > 3  # it really sampled something
+
+
+def test_different_seeds_differ_and_n_samples_differ(make_llm):
+    llm = make_llm(num_scheduler_steps=8)
+    prompt = {"prompt_token_ids": [504, 3575, 282, 4649, 314]}
+    a = llm.generate(prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True))
+    b = llm.generate(prompt, SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True))
+    assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids
+    [many] = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))
+    assert [c.index for c in many.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in many.outputs}) == 3
+    assert all(len(c.token_ids) == 16 for c in many.outputs)
+    [again] = make_llm(num_scheduler_steps=1).generate(
+        prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))
+    assert _tokens([again]) == _tokens([many])
+
+
+def test_greedy_n_samples_share_the_prompt_and_agree(make_llm):
+    llm = make_llm(num_scheduler_steps=4)
+    prompt = {"prompt_token_ids": list(range(300, 340))}
+    [single] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    free_before = llm.engine.core.blocks.num_free_blocks
+    [pair] = llm.generate(prompt, SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True))
+    assert pair.outputs[0].token_ids == pair.outputs[1].token_ids == single.outputs[0].token_ids
+    assert llm.engine.core.blocks.num_free_blocks == free_before
+
+
+def test_top_k_one_is_greedy_and_logit_bias_forces_a_token(make_llm):
+    llm = make_llm(num_scheduler_steps=8)
+    prompt = {"prompt_token_ids": [504, 3575, 282, 4649, 314]}
+    [greedy] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    [top1] = llm.generate(prompt, SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=12, ignore_eos=True))
+    assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+    [biased] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, logit_bias={1000: 100.0}))
+    assert biased.outputs[0].token_ids == [1000] * 5
+
+
+def test_penalties_change_repetitive_output(make_llm):
+    llm = make_llm(num_scheduler_steps=8)
+    prompt = {"prompt_token_ids": [33, 28, 216, 34, 28, 216, 35, 28, 216]}  # "1, 2, 3, "
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.8),
+                   SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0),
+                   SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=2.0)):
+        penalised = llm.generate(prompt, params)[0].outputs[0]
+        assert penalised.token_ids != plain.token_ids
+        # fewer repeats of the most repeated token
+        assert max(penalised.token_ids.count(t) for t in set(penalised.token_ids)) <= \
+            max(plain.token_ids.count(t) for t in set(plain.token_ids))
+
+
+def test_min_tokens_holds_back_eos(make_llm, smollm2):
+    llm = make_llm(num_scheduler_steps=8)
+    chat = smollm2.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    [short] = llm.generate({"prompt_token_ids": chat}, SamplingParams(temperature=0, max_tokens=64))
+    natural = len(short.outputs[0].token_ids)
+    assert short.outputs[0].finish_reason == "stop"
+    [longer] = llm.generate({"prompt_token_ids": chat},
+                            SamplingParams(temperature=0, max_tokens=natural + 20, min_tokens=natural + 5))
+    assert len(longer.outputs[0].token_ids) >= natural + 5
+    assert 2 not in longer.outputs[0].token_ids[:natural + 4]
+
+
+def test_logprobs_and_top_logprobs(make_llm):
+    llm = make_llm(num_scheduler_steps=8)
+    [out] = llm.generate({"prompt_token_ids": [504, 3575, 282, 4649, 314]},
+                         SamplingParams(temperature=0.8, seed=5, max_tokens=10, logprobs=5, ignore_eos=True))
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 10
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert entry.token_id == token and entry.logprob <= 0
+        assert len(entry.top) == 5
+        values = [lp for _, lp in entry.top]
+        assert values == sorted(values, reverse=True)
+        if entry.rank <= 5:
+            assert entry.top[entry.rank - 1][0] == token
