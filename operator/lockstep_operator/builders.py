@@ -245,7 +245,11 @@ def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: Operato
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     template = spec.template
-    labels = {**dict(template.get("labels") or {}), **common_labels(spec.name), **group_selector(spec.name, index)}
+    labels = {
+        **dict(template.get("labels") or {}),
+        **common_labels(spec.name),
+        **group_selector(spec.name, index),
+    }
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -280,67 +284,88 @@ def _metadata(owner: Mapping[str, Any], name: str, labels: dict[str, str]) -> di
     }
 
 
-def group_statefulset(owner: Mapping[str, Any], spec: ServiceSpec, index: int, config: OperatorConfig) -> dict[str, Any]:
+def group_statefulset(
+    owner: Mapping[str, Any], spec: ServiceSpec, index: int, config: OperatorConfig
+) -> dict[str, Any]:
     namespace = owner["metadata"]["namespace"]
     name = group_name(spec.name, index)
-    labels = {**common_labels(spec.name), **group_selector(spec.name, index), LABEL_REVISION: revision(spec, namespace, config)}
-    return _stamp({
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": _metadata(owner, name, labels),
-        "spec": {
-            "replicas": spec.pods_per_group,
-            "serviceName": name,
-            "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "OnDelete"},
-            "selector": {"matchLabels": group_selector(spec.name, index)},
-            "template": pod_template(spec, namespace, index, config),
-        },
-    })
+    labels = {
+        **common_labels(spec.name),
+        **group_selector(spec.name, index),
+        LABEL_REVISION: revision(spec, namespace, config),
+    }
+    return _stamp(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": _metadata(owner, name, labels),
+            "spec": {
+                "replicas": spec.pods_per_group,
+                "serviceName": name,
+                "podManagementPolicy": "Parallel",
+                "updateStrategy": {"type": "OnDelete"},
+                "selector": {"matchLabels": group_selector(spec.name, index)},
+                "template": pod_template(spec, namespace, index, config),
+            },
+        }
+    )
 
 
 def group_service(owner: Mapping[str, Any], spec: ServiceSpec, index: int) -> dict[str, Any]:
     name = group_name(spec.name, index)
-    return _stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(owner, name, {**common_labels(spec.name), **group_selector(spec.name, index)}),
-        "spec": {
-            "clusterIP": "None",
-            # Workers must resolve the leader before it is ready: it turns ready only once they joined.
-            "publishNotReadyAddresses": True,
-            "selector": group_selector(spec.name, index),
-            "ports": [
-                {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
-                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": "rendezvous", "protocol": "TCP"},
-            ],
-        },
-    })
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(
+                owner, name, {**common_labels(spec.name), **group_selector(spec.name, index)}
+            ),
+            "spec": {
+                "clusterIP": "None",
+                # Workers must resolve the leader before it is ready: it turns ready only once they joined.
+                "publishNotReadyAddresses": True,
+                "selector": group_selector(spec.name, index),
+                "ports": [
+                    {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+                    {
+                        "name": "rendezvous",
+                        "port": RENDEZVOUS_PORT,
+                        "targetPort": "rendezvous",
+                        "protocol": "TCP",
+                    },
+                ],
+            },
+        }
+    )
 
 
 def leader_service(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
     labels = {**common_labels(spec.name), "app.kubernetes.io/component": "engine-leader"}
     metadata = _metadata(owner, spec.name, labels)
     metadata["annotations"] = {ANNOTATION_SERVED_MODEL: spec.served_name}
-    return _stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata,
-        "spec": {
-            "type": "ClusterIP",
-            "selector": leader_selector(spec.name),
-            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
-    })
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": metadata,
+            "spec": {
+                "type": "ClusterIP",
+                "selector": leader_selector(spec.name),
+                "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+    )
 
 
 def engine_configmap(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
-    return _stamp({
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _metadata(owner, configmap_name(spec.name), common_labels(spec.name)),
-        "data": {"launch.sh": LAUNCHER, "args": "\n".join(engine_args(spec)) + "\n"},
-    })
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _metadata(owner, configmap_name(spec.name), common_labels(spec.name)),
+            "data": {"launch.sh": LAUNCHER, "args": "\n".join(engine_args(spec)) + "\n"},
+        }
+    )
 
 
 def service_objects(owner: Mapping[str, Any], spec: ServiceSpec) -> list[dict[str, Any]]:

@@ -7,7 +7,15 @@ from typing import Any
 
 import kopf
 
-from lockstep_operator.constants import GROUP, LABEL_MANAGED_BY, LABEL_SERVICE, MANAGED_BY, PLURAL, PREFIX, VERSION
+from lockstep_operator.constants import (
+    GROUP,
+    LABEL_MANAGED_BY,
+    LABEL_SERVICE,
+    MANAGED_BY,
+    PLURAL,
+    PREFIX,
+    VERSION,
+)
 from lockstep_operator.reconciler import Reconciler
 
 

@@ -42,7 +42,11 @@ class Kube:
         if not namespaces:
             items = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
         else:
-            items = [i for ns in namespaces for i in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]]
+            items = [
+                i
+                for ns in namespaces
+                for i in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+            ]
         return [(i["metadata"]["namespace"], i["metadata"]["name"]) for i in items]
 
     def observe(self, owner: Mapping[str, Any]) -> Observed:
@@ -105,7 +109,9 @@ class Kube:
 
     def annotate_statefulset(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         body = {"metadata": {"annotations": dict(annotations)}}
-        self.apps.patch_namespaced_stateful_set(name, namespace, body, field_manager=FIELD_MANAGER, _content_type=MERGE)
+        self.apps.patch_namespaced_stateful_set(
+            name, namespace, body, field_manager=FIELD_MANAGER, _content_type=MERGE
+        )
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(
@@ -124,5 +130,5 @@ class Kube:
         for name, uid in plan.delete_pods:
             log.info("delete pod %s/%s", namespace, name)
             self.delete_pod(namespace, name, uid)
-        for name, annotations in plan.annotate:
-            self.annotate_statefulset(namespace, name, annotations)
+        for name, marks in plan.annotate:
+            self.annotate_statefulset(namespace, name, marks)

@@ -19,16 +19,43 @@ def parse_args(argv: list[str]) -> OperatorConfig:
         prog="lockstep operator",
         description="Reconcile LLMService resources (serving.lockstep.dev/v1alpha1) into engine groups.",
     )
-    parser.add_argument("-n", "--namespace", action="append", default=[], dest="namespaces",
-                        help="watch this namespace (repeatable); default: every namespace")
-    parser.add_argument("--engine-image", default=DEFAULT_ENGINE_IMAGE,
-                        help="engine image for LLMServices that set none (default %(default)s)")
-    parser.add_argument("--cluster-domain", default="cluster.local", help="cluster DNS domain (default %(default)s)")
-    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the /metrics server (default %(default)s)")
-    parser.add_argument("--metrics-port", type=int, default=8080, help="port of the /metrics server, 0 = off (default %(default)s)")
-    parser.add_argument("--health-port", type=int, default=8081, help="port of the /healthz liveness endpoint, 0 = off (default %(default)s)")
-    parser.add_argument("--resync-seconds", type=float, default=60.0,
-                        help="reconcile every LLMService at least this often (default %(default)s)")
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        dest="namespaces",
+        help="watch this namespace (repeatable); default: every namespace",
+    )
+    parser.add_argument(
+        "--engine-image",
+        default=DEFAULT_ENGINE_IMAGE,
+        help="engine image for LLMServices that set none (default %(default)s)",
+    )
+    parser.add_argument(
+        "--cluster-domain", default="cluster.local", help="cluster DNS domain (default %(default)s)"
+    )
+    parser.add_argument(
+        "--metrics-host", default="0.0.0.0", help="address of the /metrics server (default %(default)s)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="port of the /metrics server, 0 = off (default %(default)s)",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=8081,
+        help="port of the /healthz liveness endpoint, 0 = off (default %(default)s)",
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=60.0,
+        help="reconcile every LLMService at least this often (default %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     try:

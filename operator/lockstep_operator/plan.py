@@ -136,7 +136,9 @@ def _condition(type_: str, ok: bool, reason: str, message: str, generation: int)
     }
 
 
-def merge_conditions(new: list[dict[str, Any]], old: Sequence[Mapping[str, Any]], now: str) -> list[dict[str, Any]]:
+def merge_conditions(
+    new: list[dict[str, Any]], old: Sequence[Mapping[str, Any]], now: str
+) -> list[dict[str, Any]]:
     """Keep lastTransitionTime when a condition's status did not change."""
     previous = {c.get("type"): c for c in old or ()}
     merged = []
@@ -148,7 +150,9 @@ def merge_conditions(new: list[dict[str, Any]], old: Sequence[Mapping[str, Any]]
     return merged
 
 
-def _status_conditions(spec: ServiceSpec, groups: list[Group], existing: int, generation: int) -> list[dict[str, Any]]:
+def _status_conditions(
+    spec: ServiceSpec, groups: list[Group], existing: int, generation: int
+) -> list[dict[str, Any]]:
     desired = spec.replicas
     ready = sum(g.ready for g in groups)
     updated = sum(g.updated for g in groups)
@@ -159,14 +163,20 @@ def _status_conditions(spec: ServiceSpec, groups: list[Group], existing: int, ge
         available = _condition("Available", False, "ScaledToZero", "spec.replicas is 0", generation)
     else:
         all_ready = ready == desired and updated == desired and existing == desired
-        ready_c = _condition("Ready", all_ready, "AllGroupsReady" if all_ready else "GroupsNotReady", counts, generation)
+        ready_c = _condition(
+            "Ready", all_ready, "AllGroupsReady" if all_ready else "GroupsNotReady", counts, generation
+        )
         available = _condition(
             "Available", ready > 0, "GroupsAvailable" if ready else "NoGroupReady", counts, generation
         )
     if existing != desired:
-        progressing = _condition("Progressing", True, "Scaling", f"{existing} groups, scaling to {desired}", generation)
+        progressing = _condition(
+            "Progressing", True, "Scaling", f"{existing} groups, scaling to {desired}", generation
+        )
     elif updated < desired:
-        progressing = _condition("Progressing", True, "RollingUpdate", f"{updated} of {desired} groups updated", generation)
+        progressing = _condition(
+            "Progressing", True, "RollingUpdate", f"{updated} of {desired} groups updated", generation
+        )
     elif ready < desired:
         progressing = _condition("Progressing", True, "GroupsStarting", counts, generation)
     else:
@@ -195,7 +205,11 @@ def invalid_spec_status(owner: Mapping[str, Any], error: SpecError, now: str) ->
         _condition("Progressing", False, "InvalidSpec", message, generation),
         _condition("Degraded", True, "InvalidSpec", message, generation),
     ]
-    return {**old, "observedGeneration": generation, "conditions": merge_conditions(conditions, old.get("conditions", []), now)}
+    return {
+        **old,
+        "observedGeneration": generation,
+        "conditions": merge_conditions(conditions, old.get("conditions", []), now),
+    }
 
 
 def error_status(owner: Mapping[str, Any], message: str, now: str) -> dict[str, Any]:
@@ -242,7 +256,9 @@ def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: Operato
         spec = parse_spec(meta["name"], owner.get("spec") or {}, default_image=config.engine_image)
     except SpecError as error:
         status = invalid_spec_status(owner, error, now)
-        ready_before = next((c for c in (owner.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        ready_before = next(
+            (c for c in (owner.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {}
+        )
         reported = ready_before.get("reason") == "InvalidSpec" and ready_before.get("message") == str(error)
         return Plan(status=status, events=[] if reported else [("Warning", "InvalidSpec", str(error))])
 
@@ -277,7 +293,10 @@ def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: Operato
         if index is not None and index >= spec.replicas:
             plan.delete.append(("Service", name))
 
-    groups = [Group(i, statefulsets.get(i), sorted(pods_by_group.get(i, []), key=_name)) for i in range(spec.replicas)]
+    groups = [
+        Group(i, statefulsets.get(i), sorted(pods_by_group.get(i, []), key=_name))
+        for i in range(spec.replicas)
+    ]
     for group in groups:
         desired_svc = builders.group_service(owner, spec, group.index)
         if _needs_apply(desired_svc, services.get(_name(desired_svc))):
@@ -304,10 +323,22 @@ def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: Operato
             continue
         if sts_revision == target:
             desired_sts = builders.group_statefulset(owner, spec, group.index, config)
-            if _needs_apply(desired_sts, group.statefulset) or group.statefulset["spec"]["replicas"] != spec.pods_per_group:
+            if (
+                _needs_apply(desired_sts, group.statefulset)
+                or group.statefulset["spec"]["replicas"] != spec.pods_per_group
+            ):
                 plan.apply.append(desired_sts)  # same revision: pods are not touched
-        if sts_revision == target and not recorded_members(group.statefulset) and len(group.pods) == spec.pods_per_group:
-            plan.annotate.append((_name(group.statefulset), {ANNOTATION_MEMBERS: ",".join(sorted(p["metadata"]["uid"] for p in group.pods))}))
+        if (
+            sts_revision == target
+            and not recorded_members(group.statefulset)
+            and len(group.pods) == spec.pods_per_group
+        ):
+            plan.annotate.append(
+                (
+                    _name(group.statefulset),
+                    {ANNOTATION_MEMBERS: ",".join(sorted(p["metadata"]["uid"] for p in group.pods))},
+                )
+            )
         if sts_revision != target:
             group.state = "Outdated"
 

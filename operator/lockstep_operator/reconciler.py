@@ -47,7 +47,9 @@ def utc_now() -> str:
 class Coalescer:
     """Runs `work(key)`, one run per key at a time; failures are retried with backoff."""
 
-    def __init__(self, work: Callable[[Hashable], None], retry_delays: Sequence[float] = (1, 2, 5, 10, 30)) -> None:
+    def __init__(
+        self, work: Callable[[Hashable], None], retry_delays: Sequence[float] = (1, 2, 5, 10, 30)
+    ) -> None:
         self._work = work
         self._retry_delays = tuple(retry_delays)
         self._lock = threading.Lock()
@@ -144,9 +146,13 @@ class Reconciler:
             return
         meta = owner["metadata"]
         try:
-            self.kube.patch_status(meta["namespace"], meta["name"], error_status(owner, message[:1000], self.clock()))
+            self.kube.patch_status(
+                meta["namespace"], meta["name"], error_status(owner, message[:1000], self.clock())
+            )
         except Exception:  # noqa: BLE001 - the original error is what gets raised
-            log.warning("could not record the reconcile error in the status of %s/%s", meta["namespace"], meta["name"])
+            log.warning(
+                "could not record the reconcile error in the status of %s/%s", meta["namespace"], meta["name"]
+            )
 
     def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
         meta = owner["metadata"]
@@ -154,7 +160,11 @@ class Reconciler:
         event = client.CoreV1Event(
             metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
             involved_object=client.V1ObjectReference(
-                api_version=API_VERSION, kind=KIND, name=meta["name"], namespace=meta["namespace"], uid=meta["uid"]
+                api_version=API_VERSION,
+                kind=KIND,
+                name=meta["name"],
+                namespace=meta["namespace"],
+                uid=meta["uid"],
             ),
             type=type_,
             reason=reason,
@@ -169,4 +179,6 @@ class Reconciler:
         try:
             self.kube.core.create_namespaced_event(meta["namespace"], event)
         except ApiException as error:
-            log.warning("could not post event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], error.reason)
+            log.warning(
+                "could not post event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], error.reason
+            )

@@ -84,7 +84,9 @@ class ServiceSpec:
         return match.group("claim") if match else None
 
 
-def _int(raw: Mapping[str, Any], key: str, field: str, default: int | None, low: int, high: int) -> int | None:
+def _int(
+    raw: Mapping[str, Any], key: str, field: str, default: int | None, low: int, high: int
+) -> int | None:
     value = raw.get(key, default)
     if value is None:
         return None
@@ -112,9 +114,14 @@ def _check_name(name: str) -> None:
 
 def _check_source(source: Any) -> str:
     if not isinstance(source, str) or not source:
-        raise SpecError("spec.model.source", f"is required (smollm2, random:<shape>, /path or pvc://claim/path), got {source!r}")
+        raise SpecError(
+            "spec.model.source",
+            f"is required (smollm2, random:<shape>, /path or pvc://claim/path), got {source!r}",
+        )
     if source.startswith("pvc://") and not _PVC_RE.match(source):
-        raise SpecError("spec.model.source", f"must look like pvc://<claim-name>/<path inside the claim>, got {source!r}")
+        raise SpecError(
+            "spec.model.source", f"must look like pvc://<claim-name>/<path inside the claim>, got {source!r}"
+        )
     return source
 
 
@@ -143,7 +150,10 @@ def _check_env(raw: Any) -> tuple[Mapping[str, Any], ...]:
         if not name:
             raise SpecError("spec.engine.env", f"every item needs a name, got {item!r}")
         if name.startswith("LOCKSTEP_"):
-            raise SpecError("spec.engine.env", f"must not set {name}: LOCKSTEP_* variables belong to the engine pod contract")
+            raise SpecError(
+                "spec.engine.env",
+                f"must not set {name}: LOCKSTEP_* variables belong to the engine pod contract",
+            )
     return tuple(raw)
 
 
@@ -159,7 +169,10 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
     adaptive = bool(decode.get("adaptive", False))
     steps = _int(decode, "numSchedulerSteps", "spec.decode.numSchedulerSteps", None, 1, 64)
     if adaptive and steps is not None:
-        raise SpecError("spec.decode.numSchedulerSteps", "cannot be set together with decode.adaptive: true (adaptive chooses the step count)")
+        raise SpecError(
+            "spec.decode.numSchedulerSteps",
+            "cannot be set together with decode.adaptive: true (adaptive chooses the step count)",
+        )
     if not adaptive and steps is None:
         steps = DEFAULT_NUM_SCHEDULER_STEPS
 
@@ -174,7 +187,9 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
             f"tensor * pipeline ({world_size}) must be divisible by gpusPerPod ({gpus_per_pod})",
         )
     if world_size > MAX_RANKS_PER_GROUP:
-        raise SpecError("spec.parallelism", f"tensor * pipeline ({world_size}) must be at most {MAX_RANKS_PER_GROUP}")
+        raise SpecError(
+            "spec.parallelism", f"tensor * pipeline ({world_size}) must be at most {MAX_RANKS_PER_GROUP}"
+        )
 
     replicas = _int(raw, "replicas", "spec.replicas", 1, 0, 1024)
     startup_timeout = _int(startup, "timeoutSeconds", "spec.startup.timeoutSeconds", 1800, 30, 86400)

@@ -32,16 +32,24 @@ class Kubectl:
         self.binary = kubectl_binary()
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig_path)}
 
-    def run(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([self.binary, *args], input=stdin, env=self.env, capture_output=True, text=True, timeout=timeout)
+    def run(
+        self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [self.binary, *args], input=stdin, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+            raise AssertionError(
+                f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}"
+            )
         return result
 
     def get(self, *args: str) -> Any:
         return json.loads(self.run("get", *args, "-o", "json").stdout)
 
-    def apply(self, manifest: dict[str, Any] | str, namespace: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def apply(
+        self, manifest: dict[str, Any] | str, namespace: str, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
         return self.run("apply", "-n", namespace, "-f", "-", stdin=text, check=check)
 
@@ -77,27 +85,49 @@ def release(control_plane: ControlPlane, kubectl: Kubectl) -> dict[str, Any]:
     import helm_python as helm
 
     with helm.Config(kubeconfig_path=str(control_plane.kubeconfig), namespace=RELEASE_NAMESPACE) as cfg:
-        installed = cfg.install(str(CHART), RELEASE, {"dashboards": {"enabled": True}}, create_namespace=True, timeout=120)
-    kubectl.run("wait", "--for=condition=Established", "crd/llmservices.serving.lockstep.dev", "--timeout=60s")
+        installed = cfg.install(
+            str(CHART), RELEASE, {"dashboards": {"enabled": True}}, create_namespace=True, timeout=120
+        )
+    kubectl.run(
+        "wait", "--for=condition=Established", "crd/llmservices.serving.lockstep.dev", "--timeout=60s"
+    )
     return installed
 
 
 @pytest.fixture(scope="session")
-def operator(control_plane: ControlPlane, kubectl: Kubectl, release: dict[str, Any], tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def operator(
+    control_plane: ControlPlane,
+    kubectl: Kubectl,
+    release: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+):  # type: ignore[no-untyped-def]
     """`python -m lockstep_operator` running as the chart's ServiceAccount, so the chart's RBAC is what it gets."""
     workdir = tmp_path_factory.mktemp("operator")
-    token = kubectl.run("create", "token", f"{RELEASE}-operator", "-n", RELEASE_NAMESPACE, "--duration=2h").stdout.strip()
+    token = kubectl.run(
+        "create", "token", f"{RELEASE}-operator", "-n", RELEASE_NAMESPACE, "--duration=2h"
+    ).stdout.strip()
     config_path = workdir / "kubeconfig"
-    config_path.write_text(json.dumps(kubeconfig(control_plane.server, control_plane.dir / "ca.crt", {"token": token})))
+    config_path.write_text(
+        json.dumps(kubeconfig(control_plane.server, control_plane.dir / "ca.crt", {"token": token}))
+    )
     metrics_port, health_port = free_port(), free_port()
     log_path = workdir / "operator.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed at teardown
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "lockstep_operator",
-            "--engine-image", TEST_ENGINE_IMAGE,
-            "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
-            "--health-port", str(health_port), "--resync-seconds", "30",
+            sys.executable,
+            "-m",
+            "lockstep_operator",
+            "--engine-image",
+            TEST_ENGINE_IMAGE,
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(metrics_port),
+            "--health-port",
+            str(health_port),
+            "--resync-seconds",
+            "30",
         ],  # fmt: skip
         env={**os.environ, "KUBECONFIG": str(config_path)},
         stdout=log,

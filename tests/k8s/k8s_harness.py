@@ -80,11 +80,27 @@ def make_certs(d: Path) -> None:
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=lockstep-test-ca",
              "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
     for name, subject, ext in (
-        ("apiserver", "/CN=kube-apiserver", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+        (
+            "apiserver",
+            "/CN=kube-apiserver",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth",
+        ),
         ("admin", "/O=system:masters/CN=lockstep-test-admin", "extendedKeyUsage=clientAuth"),
     ):
         (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            subject,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=d,
+        )
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                  "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=d)  # fmt: skip
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
@@ -97,7 +113,9 @@ def kubeconfig(server: str, ca: Path, user: dict[str, str]) -> dict[str, Any]:
         "kind": "Config",
         "clusters": [{"name": "test", "cluster": {"server": server, "certificate-authority": str(ca)}}],
         "users": [{"name": "user", "user": user}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "user", "namespace": "default"}}],
+        "contexts": [
+            {"name": "test", "context": {"cluster": "test", "user": "user", "namespace": "default"}}
+        ],
         "current-context": "test",
     }
 
@@ -113,7 +131,9 @@ class ControlPlane:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        self.processes[name] = subprocess.Popen([str(self.bins[name]), *args], stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
+        self.processes[name] = subprocess.Popen(
+            [str(self.bins[name]), *args], stdout=log, stderr=subprocess.STDOUT, cwd=self.dir
+        )
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         path = self.dir / f"{name}.log"

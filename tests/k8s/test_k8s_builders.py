@@ -85,11 +85,13 @@ def test_dev_shm_is_a_memory_volume_sized_per_rank():
 
 
 def test_gpus_per_pod_becomes_a_gpu_limit_unless_set():
-    assert container(builders.group_statefulset(OWNER, spec_of(parallelism={"tensor": 2, "gpusPerPod": 2}), 0, CONFIG))["resources"] == {
-        "limits": {"nvidia.com/gpu": 2}
-    }
+    assert container(
+        builders.group_statefulset(OWNER, spec_of(parallelism={"tensor": 2, "gpusPerPod": 2}), 0, CONFIG)
+    )["resources"] == {"limits": {"nvidia.com/gpu": 2}}
     cpu = spec_of(parallelism={"gpusPerPod": 0}, engine={"resources": {"requests": {"cpu": "2"}}})
-    assert container(builders.group_statefulset(OWNER, cpu, 0, CONFIG))["resources"] == {"requests": {"cpu": "2"}}
+    assert container(builders.group_statefulset(OWNER, cpu, 0, CONFIG))["resources"] == {
+        "requests": {"cpu": "2"}
+    }
 
 
 def test_pvc_model_is_mounted_read_only_and_passed_as_a_path():
@@ -110,7 +112,11 @@ def test_user_labels_reach_pods_but_never_selectors():
 
 def test_every_child_is_controlled_by_the_llmservice():
     spec = spec_of()
-    objects = [*builders.service_objects(OWNER, spec), builders.group_service(OWNER, spec, 0), builders.group_statefulset(OWNER, spec, 0, CONFIG)]
+    objects = [
+        *builders.service_objects(OWNER, spec),
+        builders.group_service(OWNER, spec, 0),
+        builders.group_statefulset(OWNER, spec, 0, CONFIG),
+    ]
     for obj in objects:
         (ref,) = obj["metadata"]["ownerReferences"]
         assert ref == {
@@ -123,20 +129,29 @@ def test_headless_service_publishes_unready_pods_so_workers_find_the_leader():
     svc = builders.group_service(OWNER, spec_of(), 2)
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
-    assert svc["spec"]["selector"] == {"serving.lockstep.dev/service": "llama", "serving.lockstep.dev/group": "2"}
+    assert svc["spec"]["selector"] == {
+        "serving.lockstep.dev/service": "llama",
+        "serving.lockstep.dev/group": "2",
+    }
 
 
 def test_leader_service_selects_pod_zero_of_every_group():
     svc = builders.leader_service(OWNER, spec_of())
     assert svc["spec"]["selector"] == {"serving.lockstep.dev/service": "llama", LABEL_POD_INDEX: "0"}
-    assert builders.leader_selector_string("llama") == "apps.kubernetes.io/pod-index=0,serving.lockstep.dev/service=llama"
+    assert (
+        builders.leader_selector_string("llama")
+        == "apps.kubernetes.io/pod-index=0,serving.lockstep.dev/service=llama"
+    )
 
 
 def test_revision_ignores_replicas_and_follows_everything_else():
     base = builders.revision(spec_of(replicas=1), "prod", CONFIG)
     assert builders.revision(spec_of(replicas=5), "prod", CONFIG) == base
     assert builders.revision(spec_of(decode={"numSchedulerSteps": 4}), "prod", CONFIG) != base
-    assert builders.revision(spec_of(engine={"image": "registry.example/lockstep:9.9.10"}), "prod", CONFIG) != base
+    assert (
+        builders.revision(spec_of(engine={"image": "registry.example/lockstep:9.9.10"}), "prod", CONFIG)
+        != base
+    )
     sts = builders.group_statefulset(OWNER, spec_of(), 3, CONFIG)
     assert sts["spec"]["template"]["metadata"]["labels"][LABEL_REVISION] == base
 
@@ -145,10 +160,20 @@ def test_revision_ignores_replicas_and_follows_everything_else():
 def test_built_objects_validate_against_the_kubernetes_schemas(index):
     spec = spec_of(
         parallelism={"tensor": 2, "pipeline": 2, "gpusPerPod": 2},
-        engine={"env": [{"name": "HF_HOME", "value": "/cache"}], "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
-        template={"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}], "priorityClassName": "high"},
+        engine={
+            "env": [{"name": "HF_HOME", "value": "/cache"}],
+            "resources": {"requests": {"cpu": "4", "memory": "16Gi"}},
+        },
+        template={
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "priorityClassName": "high",
+        },
         model={"source": "pvc://weights/m"},
     )
-    objects = [*builders.service_objects(OWNER, spec), builders.group_service(OWNER, spec, index), builders.group_statefulset(OWNER, spec, index, CONFIG)]
+    objects = [
+        *builders.service_objects(OWNER, spec),
+        builders.group_service(OWNER, spec, index),
+        builders.group_statefulset(OWNER, spec, index, CONFIG),
+    ]
     for obj in objects:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)

@@ -21,7 +21,13 @@ CRD_KINDS = {"LLMService", "ServiceMonitor", "PodMonitor"}
 def render(values: dict | None = None) -> list[dict]:
     with helm.Chart.load(str(CHART)) as chart:
         manifests = chart.render(values or {}, name="lockstep", namespace="lockstep-system")
-    return [doc for path, text in manifests.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for path, text in manifests.items()
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def test_helm_lint_reports_no_warnings_or_errors():
@@ -34,8 +40,14 @@ def test_helm_lint_reports_no_warnings_or_errors():
     "values",
     [
         {},
-        {"example": {"enabled": True}, "monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
-        {"operator": {"watchNamespaces": ["team-a", "team-b"]}, "gateway": {"discoveryNamespaces": ["team-a", "team-b"]}},
+        {
+            "example": {"enabled": True},
+            "monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}},
+        },
+        {
+            "operator": {"watchNamespaces": ["team-a", "team-b"]},
+            "gateway": {"discoveryNamespaces": ["team-a", "team-b"]},
+        },
         {"gateway": {"enabled": False}, "dashboards": {"enabled": False}},
     ],
     ids=["defaults", "everything-on", "namespaced", "operator-only"],
@@ -61,7 +73,9 @@ def test_images_are_pinned_and_pods_run_as_non_root():
 
 def test_operator_gets_the_engine_image_and_watches_what_it_is_allowed_to():
     docs = render({"operator": {"watchNamespaces": ["team-a"]}})
-    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-operator")
+    operator = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-operator"
+    )
     args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "operator"
     assert "--engine-image=ghcr.io/lockstep-dev/lockstep:0.1.0" in args
@@ -73,7 +87,11 @@ def test_operator_gets_the_engine_image_and_watches_what_it_is_allowed_to():
 
 def test_operator_rbac_is_least_privilege():
     (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
-    verbs = {(rule["apiGroups"][0], resource): set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]}
+    verbs = {
+        (rule["apiGroups"][0], resource): set(rule["verbs"])
+        for rule in role["rules"]
+        for resource in rule["resources"]
+    }
     assert verbs[("serving.lockstep.dev", "llmservices")] == {"get", "list", "watch"}  # never writes the spec
     assert verbs[("serving.lockstep.dev", "llmservices/status")] == {"get", "patch", "update"}
     assert verbs[("", "pods")] == {"get", "list", "watch", "delete"}
@@ -93,11 +111,17 @@ def test_selectors_hold_only_chart_owned_labels():
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"operator": {"image": {"tag": "latest"}}}, "at '/operator/image/tag': 'latest' does not match pattern '^(pin a version instead of latest)$'"),
+        (
+            {"operator": {"image": {"tag": "latest"}}},
+            "at '/operator/image/tag': 'latest' does not match pattern '^(pin a version instead of latest)$'",
+        ),
         ({"gateway": {"replicas": -1}}, "at '/gateway/replicas': minimum: got -1, want 0"),
         ({"operator": {"logLevel": "LOUD"}}, "at '/operator/logLevel'"),
         ({"operatr": {"enabled": True}}, "additional properties 'operatr' not allowed"),
-        ({"gateway": {"service": {"port": 70000}}}, "at '/gateway/service/port': maximum: got 70,000, want 65,535"),
+        (
+            {"gateway": {"service": {"port": 70000}}},
+            "at '/gateway/service/port': maximum: got 70,000, want 65,535",
+        ),
     ],
     ids=["latest-tag", "negative-replicas", "log-level", "typo", "port"],
 )
@@ -132,27 +156,50 @@ def test_every_values_key_is_in_the_schema_and_commented():
 
 def test_example_llmservice_is_valid_for_the_operator_and_in_the_chart():
     example = yaml.safe_load(EXAMPLE.read_text())
-    spec = parse_spec(example["metadata"]["name"], example["spec"], default_image=OperatorConfig().engine_image)
+    spec = parse_spec(
+        example["metadata"]["name"], example["spec"], default_image=OperatorConfig().engine_image
+    )
     assert (spec.tensor, spec.pods_per_group, spec.steps) == (2, 2, "8")
     (rendered,) = [d for d in render({"example": {"enabled": True}}) if d["kind"] == "LLMService"]
     assert rendered["apiVersion"] == "serving.lockstep.dev/v1alpha1"
 
 
 def test_the_dashboard_parses_and_shows_step_gap_next_to_latency():
-    (configmap,) = [d for d in render() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "lockstep-dashboard"]
+    (configmap,) = [
+        d for d in render() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "lockstep-dashboard"
+    ]
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(configmap["data"]["lockstep.json"])
     exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
-    for metric in ("lockstep_step_gap_seconds_bucket", "lockstep_gpu_idle_seconds_total", "lockstep_operator_reconciles_total", "vllm:kv_cache_usage_perc"):
+    for metric in (
+        "lockstep_step_gap_seconds_bucket",
+        "lockstep_gpu_idle_seconds_total",
+        "lockstep_operator_reconciles_total",
+        "vllm:kv_cache_usage_perc",
+    ):
         assert metric in exprs
 
 
 def test_the_crd_has_printer_columns_and_both_subresources():
     crd = yaml.safe_load((CHART / "crds" / "llmservices.serving.lockstep.dev.yaml").read_text())
     version = crd["spec"]["versions"][0]
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "Available", "Steps", "TP", "PP", "Model", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Ready",
+        "Replicas",
+        "Available",
+        "Steps",
+        "TP",
+        "PP",
+        "Model",
+        "Age",
+    ]
     assert version["subresources"]["scale"] == {
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector",
     }  # fmt: skip
     assert "status" in version["subresources"]
-    assert crd_schema()["properties"]["spec"]["properties"]["decode"]["properties"]["numSchedulerSteps"]["maximum"] == 64
+    assert (
+        crd_schema()["properties"]["spec"]["properties"]["decode"]["properties"]["numSchedulerSteps"][
+            "maximum"
+        ]
+        == 64
+    )

@@ -27,7 +27,9 @@ def example(name: str = "smollm2", **spec: Any) -> dict[str, Any]:
 
 
 def pods_of(kubectl, namespace: str, name: str, group: int | None = None) -> list[dict[str, Any]]:
-    selector = f"serving.lockstep.dev/service={name}" + (f",{GROUP_LABEL}={group}" if group is not None else "")
+    selector = f"serving.lockstep.dev/service={name}" + (
+        f",{GROUP_LABEL}={group}" if group is not None else ""
+    )
     return kubectl.get("pods", "-n", namespace, "-l", selector)["items"]
 
 
@@ -56,12 +58,16 @@ def set_pod_status(kube, namespace: str, pod: dict[str, Any], ready: bool = True
     kube.patch_namespaced_pod_status(pod["metadata"]["name"], namespace, {"status": status})
 
 
-def make_ready(kubectl, kube, namespace: str, name: str, group: int | None = None, count: int | None = None) -> None:
+def make_ready(
+    kubectl, kube, namespace: str, name: str, group: int | None = None, count: int | None = None
+) -> None:
     """Wait for the group's pods to exist (the StatefulSet controller makes them), then mark them ready."""
     expected = count if count is not None else None
 
     def all_pods():
-        pods = [p for p in pods_of(kubectl, namespace, name, group) if not p["metadata"].get("deletionTimestamp")]
+        pods = [
+            p for p in pods_of(kubectl, namespace, name, group) if not p["metadata"].get("deletionTimestamp")
+        ]
         return pods if pods and (expected is None or len(pods) == expected) else None
 
     for pod in wait_for(f"pods of {name} group {group}", all_pods, timeout=60):
@@ -108,9 +114,13 @@ def test_helm_installs_the_chart_with_its_crd(release, kubectl):
     assert release["status"] == "deployed"
     crd = kubectl.get("crd", "llmservices.serving.lockstep.dev")
     assert [v["name"] for v in crd["spec"]["versions"]] == ["v1alpha1"]
-    deployments = {d["metadata"]["name"] for d in kubectl.get("deployments", "-n", "lockstep-system")["items"]}
+    deployments = {
+        d["metadata"]["name"] for d in kubectl.get("deployments", "-n", "lockstep-system")["items"]
+    }
     assert deployments == {"lockstep-operator", "lockstep-gateway"}
-    assert kubectl.get("configmap", "lockstep-dashboard", "-n", "lockstep-system")["data"]["lockstep.json"].startswith("{")
+    assert kubectl.get("configmap", "lockstep-dashboard", "-n", "lockstep-system")["data"][
+        "lockstep.json"
+    ].startswith("{")
 
 
 # --- validation by the API server ------------------------------------------------------------
@@ -119,15 +129,32 @@ def test_helm_installs_the_chart_with_its_crd(release, kubectl):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"decode": {"numSchedulerSteps": 0}}, "spec.decode.numSchedulerSteps: Invalid value: 0: spec.decode.numSchedulerSteps in body should be greater than or equal to 1"),
+        (
+            {"decode": {"numSchedulerSteps": 0}},
+            "spec.decode.numSchedulerSteps: Invalid value: 0: spec.decode.numSchedulerSteps in body should be greater than or equal to 1",
+        ),
         ({"decode": {"numSchedulerSteps": 65}}, "should be less than or equal to 64"),
-        ({"parallelism": {"tensor": 3, "pipeline": 1, "gpusPerPod": 2}}, "parallelism.tensor * parallelism.pipeline (3) must be divisible by parallelism.gpusPerPod (2)"),
+        (
+            {"parallelism": {"tensor": 3, "pipeline": 1, "gpusPerPod": 2}},
+            "parallelism.tensor * parallelism.pipeline (3) must be divisible by parallelism.gpusPerPod (2)",
+        ),
         ({"replicas": -1}, "spec.replicas in body should be greater than or equal to 0"),
-        ({"decode": {"adaptive": True, "numSchedulerSteps": 8}}, "decode.numSchedulerSteps cannot be set together with decode.adaptive: true"),
+        (
+            {"decode": {"adaptive": True, "numSchedulerSteps": 8}},
+            "decode.numSchedulerSteps cannot be set together with decode.adaptive: true",
+        ),
         ({"engine": {"extraArgs": ["--tensor-parallel-size=4"]}}, "engine.extraArgs must not set --port"),
         ({"fooBar": 1}, 'unknown field "spec.fooBar"'),
     ],
-    ids=["steps-0", "steps-65", "tp-not-divisible", "negative-replicas", "adaptive-and-steps", "owned-flag", "unknown-field"],
+    ids=[
+        "steps-0",
+        "steps-65",
+        "tp-not-divisible",
+        "negative-replicas",
+        "adaptive-and-steps",
+        "owned-flag",
+        "unknown-field",
+    ],
 )
 def test_the_api_server_rejects_invalid_specs(release, kubectl, namespace, change, message):
     result = kubectl.apply(example("bad", **change), namespace, check=False)
@@ -137,7 +164,15 @@ def test_the_api_server_rejects_invalid_specs(release, kubectl, namespace, chang
 
 
 def test_defaults_are_filled_by_the_api_server(release, kubectl, namespace):
-    kubectl.apply({"apiVersion": "serving.lockstep.dev/v1alpha1", "kind": "LLMService", "metadata": {"name": "tiny"}, "spec": {"model": {"source": "random:tiny"}}}, namespace)
+    kubectl.apply(
+        {
+            "apiVersion": "serving.lockstep.dev/v1alpha1",
+            "kind": "LLMService",
+            "metadata": {"name": "tiny"},
+            "spec": {"model": {"source": "random:tiny"}},
+        },
+        namespace,
+    )
     spec = service(kubectl, namespace, "tiny")["spec"]
     assert spec["parallelism"] == {"tensor": 1, "pipeline": 1, "gpusPerPod": 1}
     assert spec["replicas"] == 1
@@ -165,12 +200,18 @@ def test_kubectl_apply_of_the_example_creates_its_engine_group(operator, kubectl
     assert engine["startupProbe"]["failureThreshold"] == 60  # startup.timeoutSeconds 600 / period 10
     assert sts["metadata"]["ownerReferences"][0]["kind"] == "LLMService"
 
-    pods = wait_for("2 pods made by the StatefulSet controller", lambda: len(pods_of(kubectl, namespace, "smollm2")) == 2 and pods_of(kubectl, namespace, "smollm2"))
+    pods = wait_for(
+        "2 pods made by the StatefulSet controller",
+        lambda: len(pods_of(kubectl, namespace, "smollm2")) == 2 and pods_of(kubectl, namespace, "smollm2"),
+    )
     assert sorted(p["metadata"]["labels"]["apps.kubernetes.io/pod-index"] for p in pods) == ["0", "1"]
     headless = kubectl.get("service", "smollm2-g0", "-n", namespace)
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     leader = kubectl.get("service", "smollm2", "-n", namespace)
-    assert leader["spec"]["selector"] == {"apps.kubernetes.io/pod-index": "0", "serving.lockstep.dev/service": "smollm2"}
+    assert leader["spec"]["selector"] == {
+        "apps.kubernetes.io/pod-index": "0",
+        "serving.lockstep.dev/service": "smollm2",
+    }
     assert "launch.sh" in kubectl.get("configmap", "smollm2-engine", "-n", namespace)["data"]
 
 
@@ -214,16 +255,27 @@ def test_scale_adds_groups_and_the_operator_never_writes_spec_replicas(operator,
     assert obj["spec"]["replicas"] == 3
     assert {p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "scaled", 0)} == group0  # no rollout
     scale = kubectl.get("llmservice", "scaled", "-n", namespace, "--subresource=scale")
-    assert scale["status"] == {"replicas": 3, "selector": "apps.kubernetes.io/pod-index=0,serving.lockstep.dev/service=scaled"}
+    assert scale["status"] == {
+        "replicas": 3,
+        "selector": "apps.kubernetes.io/pod-index=0,serving.lockstep.dev/service=scaled",
+    }
     # Only kubectl ever wrote spec.replicas; the operator wrote status and nothing else.
-    managed = kubectl.get("llmservice", "scaled", "-n", namespace, "--show-managed-fields")["metadata"]["managedFields"]
+    managed = kubectl.get("llmservice", "scaled", "-n", namespace, "--show-managed-fields")["metadata"][
+        "managedFields"
+    ]
     assert any(entry["manager"] == "lockstep-operator" for entry in managed)
     for entry in managed:
         if entry["manager"] == "lockstep-operator":
             assert entry.get("subresource") == "status", entry
 
     kubectl.run("scale", "llmservice/scaled", "--replicas=1", "-n", namespace)
-    wait_for("groups 1 and 2 removed", lambda: statefulset(kubectl, namespace, "scaled-g1") is None and statefulset(kubectl, namespace, "scaled-g2") is None)
+    wait_for(
+        "groups 1 and 2 removed",
+        lambda: (
+            statefulset(kubectl, namespace, "scaled-g1") is None
+            and statefulset(kubectl, namespace, "scaled-g2") is None
+        ),
+    )
     wait_ready(kubectl, namespace, "scaled", 1)
 
 
@@ -232,7 +284,15 @@ def test_a_deleted_member_pod_restarts_its_whole_group(operator, kubectl, kube, 
     make_ready(kubectl, kube, namespace, "restart", count=4)
     wait_ready(kubectl, namespace, "restart", 2)
     # The operator records a group's members once it is complete.
-    wait_for("members recorded", lambda: all(statefulset(kubectl, namespace, f"restart-g{i}")["metadata"]["annotations"].get("serving.lockstep.dev/members") for i in (0, 1)))
+    wait_for(
+        "members recorded",
+        lambda: all(
+            statefulset(kubectl, namespace, f"restart-g{i}")["metadata"]["annotations"].get(
+                "serving.lockstep.dev/members"
+            )
+            for i in (0, 1)
+        ),
+    )
     before0 = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "restart", 0)}
     before1 = {p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "restart", 1)}
     restarts_before = operator.metric("lockstep_operator_group_restarts_total")
@@ -246,7 +306,10 @@ def test_a_deleted_member_pod_restarts_its_whole_group(operator, kubectl, kube, 
 
     wait_for("both pods of group 0 replaced", group0_replaced)
     assert {p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "restart", 1)} == before1
-    obj = wait_for("group 0 reported restarting", lambda: (s := service(kubectl, namespace, "restart"))["status"]["groups"][0]["restarts"] == 1 and s)
+    obj = wait_for(
+        "group 0 reported restarting",
+        lambda: (s := service(kubectl, namespace, "restart"))["status"]["groups"][0]["restarts"] == 1 and s,
+    )
     assert obj["status"]["groups"][1]["restarts"] == 0
     assert operator.metric("lockstep_operator_group_restarts_total") == restarts_before + 1
     events = kubectl.get("events", "-n", namespace, "--field-selector", "reason=GroupRestart")["items"]
@@ -262,7 +325,9 @@ def test_a_restarted_container_restarts_its_whole_group(operator, kubectl, kube,
     wait_ready(kubectl, namespace, "crash", 1)
     before = {p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "crash")}
     leader = next(p for p in pods_of(kubectl, namespace, "crash") if p["metadata"]["name"] == "crash-g0-0")
-    set_pod_status(kube, namespace, leader, ready=False, restarts=1)  # the kubelet restarted the leader's container
+    set_pod_status(
+        kube, namespace, leader, ready=False, restarts=1
+    )  # the kubelet restarted the leader's container
 
     def replaced():
         pods = pods_of(kubectl, namespace, "crash")
@@ -279,7 +344,16 @@ def test_a_spec_change_rolls_group_by_group(operator, kubectl, kube, namespace):
     kubectl.apply(example("roll", replicas=2), namespace)
     make_ready(kubectl, kube, namespace, "roll", count=4)
     wait_ready(kubectl, namespace, "roll", 2)
-    kubectl.run("patch", "llmservice", "roll", "-n", namespace, "--type=merge", "-p", '{"spec": {"decode": {"numSchedulerSteps": 4}}}')
+    kubectl.run(
+        "patch",
+        "llmservice",
+        "roll",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec": {"decode": {"numSchedulerSteps": 4}}}',
+    )
 
     def first_group_rolled():
         obj = service(kubectl, namespace, "roll")
@@ -294,18 +368,36 @@ def test_a_spec_change_rolls_group_by_group(operator, kubectl, kube, namespace):
     assert steps_arg(statefulset(kubectl, namespace, f"roll-g{updated[0]}")) == "4"
     # The other group keeps serving the old revision while the first one is not ready.
     assert steps_arg(statefulset(kubectl, namespace, f"roll-g{waiting}")) == "8"
-    assert all(p["metadata"]["labels"]["serving.lockstep.dev/revision"] == statefulset(kubectl, namespace, f"roll-g{waiting}")["metadata"]["labels"]["serving.lockstep.dev/revision"] for p in pods_of(kubectl, namespace, "roll", waiting))
+    assert all(
+        p["metadata"]["labels"]["serving.lockstep.dev/revision"]
+        == statefulset(kubectl, namespace, f"roll-g{waiting}")["metadata"]["labels"][
+            "serving.lockstep.dev/revision"
+        ]
+        for p in pods_of(kubectl, namespace, "roll", waiting)
+    )
 
     make_ready(kubectl, kube, namespace, "roll", updated[0], count=2)
-    wait_for("second group updated", lambda: steps_arg(statefulset(kubectl, namespace, f"roll-g{waiting}")) == "4")
+    wait_for(
+        "second group updated", lambda: steps_arg(statefulset(kubectl, namespace, f"roll-g{waiting}")) == "4"
+    )
     make_ready(kubectl, kube, namespace, "roll", waiting, count=2)
     obj = wait_ready(kubectl, namespace, "roll", 2)
     assert obj["status"]["observedGeneration"] == 2
 
 
 def test_user_env_and_pod_overrides_reach_the_pods(operator, kubectl, namespace):
-    kubectl.apply(example("custom", engine={"env": [{"name": "HF_HOME", "value": "/cache"}]}, template={"labels": {"team": "search"}, "nodeSelector": {"pool": "cpu"}}), namespace)
-    pods = wait_for("pods", lambda: len(pods_of(kubectl, namespace, "custom")) == 2 and pods_of(kubectl, namespace, "custom"))
+    kubectl.apply(
+        example(
+            "custom",
+            engine={"env": [{"name": "HF_HOME", "value": "/cache"}]},
+            template={"labels": {"team": "search"}, "nodeSelector": {"pool": "cpu"}},
+        ),
+        namespace,
+    )
+    pods = wait_for(
+        "pods",
+        lambda: len(pods_of(kubectl, namespace, "custom")) == 2 and pods_of(kubectl, namespace, "custom"),
+    )
     for pod in pods:
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["HF_HOME"] == "/cache"
@@ -319,7 +411,17 @@ def test_kopf_leaves_no_bookkeeping_outside_the_project_prefix(operator, kubectl
     obj = wait_ready(kubectl, namespace, "tidy", 1)
     assert not obj["metadata"].get("finalizers")
     assert not [k for k in obj["metadata"].get("annotations", {}) if "kopf" in k]
-    assert set(obj["status"]) == {"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector", "podsPerGroup", "steps", "conditions", "groups"}
+    assert set(obj["status"]) == {
+        "observedGeneration",
+        "replicas",
+        "readyReplicas",
+        "updatedReplicas",
+        "selector",
+        "podsPerGroup",
+        "steps",
+        "conditions",
+        "groups",
+    }
 
 
 def test_deleting_the_service_removes_what_it_owned(operator, kubectl, kube, namespace):

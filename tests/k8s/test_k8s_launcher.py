@@ -33,7 +33,9 @@ def launch(tmp_path: Path):
 
     def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         full_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
-        return subprocess.run(["/bin/sh", str(script), *args], env=full_env, capture_output=True, text=True, timeout=30)
+        return subprocess.run(
+            ["/bin/sh", str(script), *args], env=full_env, capture_output=True, text=True, timeout=30
+        )
 
     run.bin_dir = bin_dir  # type: ignore[attr-defined]
     return run
@@ -46,7 +48,14 @@ def test_pod_zero_runs_the_api_server_with_rank_zero(launch):
 
 
 def test_other_pods_wait_for_the_leader_name_then_join_as_workers(launch):
-    result = launch("smollm2", "--port", "8000", LOCKSTEP_POD_INDEX="3", LOCKSTEP_RANKS_PER_POD="2", LOCKSTEP_LEADER_ADDR="localhost")
+    result = launch(
+        "smollm2",
+        "--port",
+        "8000",
+        LOCKSTEP_POD_INDEX="3",
+        LOCKSTEP_RANKS_PER_POD="2",
+        LOCKSTEP_LEADER_ADDR="localhost",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["command=worker", "args=smollm2 --port 8000", "rank=6"]
 
@@ -55,7 +64,12 @@ def test_a_worker_gives_up_when_the_leader_never_resolves(launch):
     getent = launch.bin_dir / "getent"
     getent.write_text("#!/bin/sh\nexit 2\n")
     getent.chmod(0o755)
-    result = launch("smollm2", LOCKSTEP_POD_INDEX="1", LOCKSTEP_LEADER_ADDR="llama-g0-0.llama-g0.prod.svc.cluster.local", LOCKSTEP_LEADER_WAIT_SECONDS="0")
+    result = launch(
+        "smollm2",
+        LOCKSTEP_POD_INDEX="1",
+        LOCKSTEP_LEADER_ADDR="llama-g0-0.llama-g0.prod.svc.cluster.local",
+        LOCKSTEP_LEADER_WAIT_SECONDS="0",
+    )
     assert result.returncode == 1
     assert "leader llama-g0-0.llama-g0.prod.svc.cluster.local did not resolve" in result.stderr
     assert "command=" not in result.stdout

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import itertools
 
-from lockstep_operator import builders
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import ANNOTATION_MEMBERS, ANNOTATION_RESTARTS, LABEL_GROUP, LABEL_POD_INDEX
 from lockstep_operator.plan import Observed, Plan, plan_reconcile, status_changed
@@ -33,7 +32,12 @@ class World:
         kinds = {"StatefulSet": [], "Service": [], "ConfigMap": []}
         for (kind, _), obj in sorted(self.objects.items()):
             kinds[kind].append(copy.deepcopy(obj))
-        return Observed(kinds["StatefulSet"], kinds["Service"], kinds["ConfigMap"], [copy.deepcopy(p) for p in self.pods.values()])
+        return Observed(
+            kinds["StatefulSet"],
+            kinds["Service"],
+            kinds["ConfigMap"],
+            [copy.deepcopy(p) for p in self.pods.values()],
+        )
 
     def plan(self, now: str = NOW) -> Plan:
         return plan_reconcile(copy.deepcopy(self.owner), self.observed(), CONFIG, now)
@@ -45,7 +49,10 @@ class World:
             old = self.objects.get(key)
             stored["metadata"]["uid"] = old["metadata"]["uid"] if old else next(_uids)
             if old:  # annotations written by merge patches survive an apply that does not own them
-                stored["metadata"]["annotations"] = {**old["metadata"].get("annotations", {}), **stored["metadata"]["annotations"]}
+                stored["metadata"]["annotations"] = {
+                    **old["metadata"].get("annotations", {}),
+                    **stored["metadata"]["annotations"],
+                }
             self.objects[key] = stored
         for kind, name in plan.delete:
             self.objects.pop((kind, name))
@@ -54,8 +61,8 @@ class World:
         for name, uid in plan.delete_pods:
             if self.pods.get(name, {}).get("metadata", {}).get("uid") == uid:
                 del self.pods[name]
-        for name, annotations in plan.annotate:
-            self.objects[("StatefulSet", name)]["metadata"].setdefault("annotations", {}).update(annotations)
+        for name, marks in plan.annotate:
+            self.objects[("StatefulSet", name)]["metadata"].setdefault("annotations", {}).update(marks)
         if plan.status:
             self.owner["status"] = plan.status
 
@@ -103,7 +110,13 @@ class World:
 
 
 def ready_world(replicas: int = 2, tensor: int = 2) -> World:
-    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": tensor, "gpusPerPod": 1}, "replicas": replicas})
+    world = World(
+        {
+            "model": {"source": "smollm2"},
+            "parallelism": {"tensor": tensor, "gpusPerPod": 1},
+            "replicas": replicas,
+        }
+    )
     world.settle()
     world.set_ready()
     world.settle()
@@ -111,7 +124,9 @@ def ready_world(replicas: int = 2, tensor: int = 2) -> World:
 
 
 def test_a_new_service_gets_its_objects_and_starts_unready():
-    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": 2, "gpusPerPod": 1}, "replicas": 2})
+    world = World(
+        {"model": {"source": "smollm2"}, "parallelism": {"tensor": 2, "gpusPerPod": 1}, "replicas": 2}
+    )
     plan = world.plan()
     assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [
         ("ConfigMap", "llama-engine"), ("Service", "llama"),
@@ -206,7 +221,10 @@ def test_scaling_up_creates_groups_and_touches_no_pods():
     before = dict(world.pods)
     world.owner["spec"]["replicas"] = 3
     plan = world.plan()
-    assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [("Service", "llama-g2"), ("StatefulSet", "llama-g2")]
+    assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [
+        ("Service", "llama-g2"),
+        ("StatefulSet", "llama-g2"),
+    ]
     assert not plan.delete_pods
     world.settle()
     assert all(world.pods[n]["metadata"]["uid"] == p["metadata"]["uid"] for n, p in before.items())
@@ -220,7 +238,12 @@ def test_scaling_down_deletes_the_highest_groups():
     world = ready_world(replicas=3)
     world.owner["spec"]["replicas"] = 1
     plan = world.plan()
-    assert plan.delete == [("StatefulSet", "llama-g2"), ("StatefulSet", "llama-g1"), ("Service", "llama-g1"), ("Service", "llama-g2")]
+    assert plan.delete == [
+        ("StatefulSet", "llama-g2"),
+        ("StatefulSet", "llama-g1"),
+        ("Service", "llama-g1"),
+        ("Service", "llama-g2"),
+    ]
     assert not plan.delete_pods
     world.settle()
     assert world.condition("Ready")["status"] == "True"
@@ -287,9 +310,9 @@ def test_pods_from_the_old_template_under_an_updated_statefulset_are_replaced():
     old_template = copy.deepcopy(world.pods)
     world.run_statefulset_controller()
     # The StatefulSet controller raced the update and made a pod from the previous revision.
-    world.pods["llama-g0-0"]["metadata"]["labels"] = old_template.get("llama-g0-0", world.pods["llama-g0-1"])["metadata"]["labels"] | {
-        "serving.lockstep.dev/revision": "stale"
-    }
+    world.pods["llama-g0-0"]["metadata"]["labels"] = old_template.get("llama-g0-0", world.pods["llama-g0-1"])[
+        "metadata"
+    ]["labels"] | {"serving.lockstep.dev/revision": "stale"}
     plan = world.plan()
     assert sorted(name for name, _ in plan.delete_pods) == ["llama-g0-0", "llama-g0-1"]
     assert plan.status["groups"][0]["state"] == "Updating"

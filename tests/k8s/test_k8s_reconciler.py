@@ -75,7 +75,11 @@ class FakeKube:
 OWNER = {
     "metadata": {"name": "llama", "namespace": "prod", "uid": "u", "generation": 4},
     "spec": {"model": {"source": "smollm2"}},
-    "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "AllGroupsReady", "lastTransitionTime": "t0"}]},
+    "status": {
+        "conditions": [
+            {"type": "Ready", "status": "True", "reason": "AllGroupsReady", "lastTransitionTime": "t0"}
+        ]
+    },
 }
 
 

@@ -25,9 +25,24 @@ def test_defaults_fill_a_minimal_spec():
 
 
 def test_pods_per_group_is_ranks_over_gpus_per_pod():
-    assert parse({"model": {"source": "x"}, "parallelism": {"tensor": 4, "pipeline": 2, "gpusPerPod": 2}}).pods_per_group == 4
-    assert parse({"model": {"source": "x"}, "parallelism": {"tensor": 2, "pipeline": 2, "gpusPerPod": 0}}).pods_per_group == 4
-    assert parse({"model": {"source": "x"}, "parallelism": {"tensor": 8, "pipeline": 1, "gpusPerPod": 8}}).pods_per_group == 1
+    assert (
+        parse(
+            {"model": {"source": "x"}, "parallelism": {"tensor": 4, "pipeline": 2, "gpusPerPod": 2}}
+        ).pods_per_group
+        == 4
+    )
+    assert (
+        parse(
+            {"model": {"source": "x"}, "parallelism": {"tensor": 2, "pipeline": 2, "gpusPerPod": 0}}
+        ).pods_per_group
+        == 4
+    )
+    assert (
+        parse(
+            {"model": {"source": "x"}, "parallelism": {"tensor": 8, "pipeline": 1, "gpusPerPod": 8}}
+        ).pods_per_group
+        == 1
+    )
 
 
 def test_adaptive_decode_passes_auto():
@@ -40,11 +55,19 @@ def test_adaptive_decode_passes_auto():
         ({"decode": {"numSchedulerSteps": 0}}, "spec.decode.numSchedulerSteps", "1..64, got 0"),
         ({"decode": {"numSchedulerSteps": 65}}, "spec.decode.numSchedulerSteps", "1..64, got 65"),
         ({"decode": {"adaptive": True, "numSchedulerSteps": 4}}, "spec.decode.numSchedulerSteps", "adaptive"),
-        ({"parallelism": {"tensor": 3, "gpusPerPod": 2}}, "spec.parallelism.gpusPerPod", "tensor * pipeline (3) must be divisible by gpusPerPod (2)"),
+        (
+            {"parallelism": {"tensor": 3, "gpusPerPod": 2}},
+            "spec.parallelism.gpusPerPod",
+            "tensor * pipeline (3) must be divisible by gpusPerPod (2)",
+        ),
         ({"parallelism": {"tensor": 0}}, "spec.parallelism.tensor", "1..64, got 0"),
         ({"replicas": -1}, "spec.replicas", "0..1024, got -1"),
         ({"replicas": "2"}, "spec.replicas", "integer"),
-        ({"engine": {"extraArgs": ["--num-scheduler-steps=4"]}}, "spec.engine.extraArgs", "--num-scheduler-steps"),
+        (
+            {"engine": {"extraArgs": ["--num-scheduler-steps=4"]}},
+            "spec.engine.extraArgs",
+            "--num-scheduler-steps",
+        ),
         ({"engine": {"env": [{"name": "LOCKSTEP_RANK", "value": "3"}]}}, "spec.engine.env", "LOCKSTEP_RANK"),
         ({"startup": {"timeoutSeconds": 5}}, "spec.startup.timeoutSeconds", "30..86400, got 5"),
     ],
@@ -72,6 +95,8 @@ def test_names_that_cannot_prefix_pods_are_refused():
 
 
 def test_owned_flags_match_the_crd_rule():
-    rule = crd_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"]["x-kubernetes-validations"][0]["rule"]
+    rule = crd_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"][
+        "x-kubernetes-validations"
+    ][0]["rule"]
     for flag in OWNED_FLAGS:
         assert flag.removeprefix("--") in rule
