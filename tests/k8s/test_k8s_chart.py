@@ -203,3 +203,16 @@ def test_the_crd_has_printer_columns_and_both_subresources():
         ]
         == 64
     )
+
+
+def test_the_crd_itself_validates_against_kubernetes_schemas():
+    crd = yaml.safe_load((CHART / "crds" / "llmservices.serving.lockstep.dev.yaml").read_text())
+    kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
+
+
+def test_notes_tell_how_to_serve_scale_and_upgrade_the_crd():
+    with helm.Chart.load(str(CHART)) as chart:
+        notes = chart.render({}, name="lockstep", namespace="lockstep-system")["lockstep/templates/NOTES.txt"]
+    assert "kind: LLMService" in notes
+    assert "kubectl scale llmservice/smollm2 --replicas=2" in notes
+    assert "kubectl apply --server-side -f crds/" in notes
