@@ -37,10 +37,12 @@ def operator_settings() -> kopf.OperatorSettings:
     # Watches are restarted every few minutes, a cheap level-based resync on top of ours.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    # Watch only the pods and StatefulSets the operator made (filtered by the API server).
+    # Watch only the objects the operator made (filtered by the API server).
     managed = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
     settings.watching.label_selectors["v1", "pods"] = managed
     settings.watching.label_selectors["apps", "v1", "statefulsets"] = managed
+    settings.watching.label_selectors["v1", "services"] = managed
+    settings.watching.label_selectors["v1", "configmaps"] = managed
     return settings
 
 
@@ -66,6 +68,16 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     @kopf.on.event("", "v1", "pods", labels=managed, registry=registry)
     def pod_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
         if LABEL_SERVICE in labels:
+            reconciler.request(namespace, labels[LABEL_SERVICE])
+
+    @kopf.on.event("", "v1", "services", labels=managed, registry=registry)
+    def service_event(type: str | None, labels: dict[str, str], namespace: str, **_: Any) -> None:
+        if type == "DELETED" and LABEL_SERVICE in labels:  # only a deletion needs repair
+            reconciler.request(namespace, labels[LABEL_SERVICE])
+
+    @kopf.on.event("", "v1", "configmaps", labels=managed, registry=registry)
+    def configmap_event(type: str | None, labels: dict[str, str], namespace: str, **_: Any) -> None:
+        if type == "DELETED" and LABEL_SERVICE in labels:
             reconciler.request(namespace, labels[LABEL_SERVICE])
 
     return registry

@@ -63,7 +63,9 @@ def binaries() -> dict[str, Path]:
     names = ("etcd", "kube-apiserver", "kube-controller-manager")
     assets = os.environ.get("KUBEBUILDER_ASSETS")
     found = {n: Path(assets) / n for n in names if assets and (Path(assets) / n).is_file()}
-    result = subprocess.run(["bash", str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, timeout=60
+    )
     if result.returncode != 0:
         raise RuntimeError(f"no control-plane binaries: {result.stderr.strip()}")
     cache = Path(result.stdout.strip().splitlines()[-1])

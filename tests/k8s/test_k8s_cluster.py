@@ -405,6 +405,17 @@ def test_user_env_and_pod_overrides_reach_the_pods(operator, kubectl, namespace)
         assert pod["spec"]["nodeSelector"] == {"pool": "cpu"}
 
 
+def test_a_deleted_leader_service_is_recreated(operator, kubectl, namespace):
+    def leader_uid():
+        result = kubectl.run("get", "service", "heal", "-n", namespace, "-o", "json", check=False)
+        return yaml.safe_load(result.stdout)["metadata"]["uid"] if result.returncode == 0 else None
+
+    kubectl.apply(example("heal"), namespace)
+    uid = wait_for("the leader Service", leader_uid)
+    kubectl.run("delete", "service", "heal", "-n", namespace)
+    wait_for("the leader Service recreated", lambda: leader_uid() not in (None, uid))
+
+
 def test_kopf_leaves_no_bookkeeping_outside_the_project_prefix(operator, kubectl, kube, namespace):
     kubectl.apply(example("tidy"), namespace)
     make_ready(kubectl, kube, namespace, "tidy", count=2)

@@ -26,7 +26,9 @@ def build(tmp_path: Path, *args: str, assets: Path | None) -> subprocess.Complet
     env.pop("KUBEBUILDER_ASSETS", None)
     if assets is not None:
         env["KUBEBUILDER_ASSETS"] = str(assets)
-    return subprocess.run(["bash", str(BUILD_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(BUILD_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_complete_envtest_assets_mean_nothing_is_built(tmp_path):
@@ -38,7 +40,9 @@ def test_complete_envtest_assets_mean_nothing_is_built(tmp_path):
 
 
 def test_check_names_what_is_missing_and_builds_nothing(tmp_path):
-    assets = fake_assets(tmp_path / "assets", ("etcd", "kube-apiserver"))  # envtest ships no controller manager
+    assets = fake_assets(
+        tmp_path / "assets", ("etcd", "kube-apiserver")
+    )  # envtest ships no controller manager
     result = build(tmp_path, "--check", assets=assets)
     assert result.returncode == 1
     assert result.stderr.strip().endswith(": kube-controller-manager; run make k8s-bins")
