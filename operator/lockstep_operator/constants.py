@@ -21,6 +21,9 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "lockstep-operator"
 
 ANNOTATION_APPLIED = f"{PREFIX}/applied-hash"
+# metadata.generation of a StatefulSet right after the operator applied it: a later generation
+# means someone else changed its spec, and the operator applies it again.
+ANNOTATION_APPLIED_GENERATION = f"{PREFIX}/applied-generation"
 ANNOTATION_MEMBERS = f"{PREFIX}/members"
 ANNOTATION_RESTARTS = f"{PREFIX}/restarts"
 ANNOTATION_SERVED_MODEL = f"{PREFIX}/served-model-name"

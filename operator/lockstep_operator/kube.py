@@ -9,7 +9,14 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from lockstep_operator.constants import FIELD_MANAGER, GROUP, LABEL_SERVICE, PLURAL, VERSION
+from lockstep_operator.constants import (
+    ANNOTATION_APPLIED_GENERATION,
+    FIELD_MANAGER,
+    GROUP,
+    LABEL_SERVICE,
+    PLURAL,
+    VERSION,
+)
 from lockstep_operator.plan import Observed, Plan
 
 log = logging.getLogger(__name__)
@@ -85,7 +92,10 @@ class Kube:
             "Service": self.core.patch_namespaced_service,
             "ConfigMap": self.core.patch_namespaced_config_map,
         }[kind]
-        patch(name, namespace, obj, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+        result = patch(name, namespace, obj, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+        if kind == "StatefulSet":
+            generation = str(result.metadata.generation)
+            self.annotate_statefulset(namespace, name, {ANNOTATION_APPLIED_GENERATION: generation})
 
     def delete(self, namespace: str, kind: str, name: str) -> None:
         remove = {

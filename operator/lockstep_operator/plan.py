@@ -21,6 +21,7 @@ from lockstep_operator import builders
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import (
     ANNOTATION_APPLIED,
+    ANNOTATION_APPLIED_GENERATION,
     ANNOTATION_MEMBERS,
     ANNOTATION_RESTARTS,
     LABEL_GROUP,
@@ -227,7 +228,10 @@ def error_status(owner: Mapping[str, Any], message: str, now: str) -> dict[str, 
 def _needs_apply(desired: Mapping[str, Any], current: Mapping[str, Any] | None) -> bool:
     if current is None:
         return True
-    return _annotations(current).get(ANNOTATION_APPLIED) != _annotations(desired)[ANNOTATION_APPLIED]
+    if _annotations(current).get(ANNOTATION_APPLIED) != _annotations(desired)[ANNOTATION_APPLIED]:
+        return True
+    applied_generation = _annotations(current).get(ANNOTATION_APPLIED_GENERATION)
+    return applied_generation is not None and applied_generation != str(current["metadata"].get("generation"))
 
 
 def _group_view(group: Group, spec: ServiceSpec, target: str) -> None:

@@ -7,6 +7,7 @@ subresource, as a kubelet would ("Running", condition Ready, container restart c
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -414,6 +415,22 @@ def test_a_deleted_leader_service_is_recreated(operator, kubectl, namespace):
     uid = wait_for("the leader Service", leader_uid)
     kubectl.run("delete", "service", "heal", "-n", namespace)
     wait_for("the leader Service recreated", lambda: leader_uid() not in (None, uid))
+
+
+def test_a_statefulset_edited_by_hand_is_put_back_without_restarting_pods(operator, kubectl, namespace):
+    kubectl.apply(example("drift"), namespace)
+    wait_for("pods", lambda: len(pods_of(kubectl, namespace, "drift")) == 2)
+    before = {p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "drift")}
+    patch = {"spec": {"template": {"spec": {"containers": [{"name": "engine", "image": "someone/else:1"}]}}}}
+    kubectl.run("patch", "statefulset", "drift-g0", "-n", namespace, "-p", json.dumps(patch))
+
+    def image():
+        return statefulset(kubectl, namespace, "drift-g0")["spec"]["template"]["spec"]["containers"][0][
+            "image"
+        ]
+
+    wait_for("the operator's image back", lambda: image() == "registry.invalid/lockstep:0.1.0-test")
+    assert {p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "drift")} == before
 
 
 def test_kopf_leaves_no_bookkeeping_outside_the_project_prefix(operator, kubectl, kube, namespace):

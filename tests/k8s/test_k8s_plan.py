@@ -10,7 +10,13 @@ import copy
 import itertools
 
 from lockstep_operator.config import OperatorConfig
-from lockstep_operator.constants import ANNOTATION_MEMBERS, ANNOTATION_RESTARTS, LABEL_GROUP, LABEL_POD_INDEX
+from lockstep_operator.constants import (
+    ANNOTATION_APPLIED_GENERATION,
+    ANNOTATION_MEMBERS,
+    ANNOTATION_RESTARTS,
+    LABEL_GROUP,
+    LABEL_POD_INDEX,
+)
 from lockstep_operator.plan import Observed, Plan, plan_reconcile, status_changed
 
 CONFIG = OperatorConfig(engine_image="registry.example/lockstep:9.9.9")
@@ -53,6 +59,12 @@ class World:
                     **old["metadata"].get("annotations", {}),
                     **stored["metadata"]["annotations"],
                 }
+            if obj["kind"] == "StatefulSet":  # the API server counts spec changes; Kube.apply records it
+                generation = old["metadata"]["generation"] if old else 0
+                if not old or old["spec"] != stored["spec"]:
+                    generation += 1
+                stored["metadata"]["generation"] = generation
+                stored["metadata"]["annotations"][ANNOTATION_APPLIED_GENERATION] = str(generation)
             self.objects[key] = stored
         for kind, name in plan.delete:
             self.objects.pop((kind, name))
@@ -169,6 +181,21 @@ def test_complete_groups_record_their_members():
     world = ready_world()
     sts = world.objects[("StatefulSet", "llama-g1")]
     assert set(sts["metadata"]["annotations"][ANNOTATION_MEMBERS].split(",")) == world.pod_uids(1)
+
+
+def test_a_statefulset_changed_by_someone_else_is_applied_again_without_touching_pods():
+    world = ready_world()
+    sts = world.objects[("StatefulSet", "llama-g0")]
+    sts["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:1"
+    sts["metadata"]["generation"] += 1
+    plan = world.plan()
+    assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [("StatefulSet", "llama-g0")]
+    assert not plan.delete_pods
+    world.settle()
+    assert (
+        world.objects[("StatefulSet", "llama-g0")]["spec"]["template"]["spec"]["containers"][0]["image"]
+        == CONFIG.engine_image
+    )
 
 
 def test_a_restarted_container_restarts_its_whole_group_only():
