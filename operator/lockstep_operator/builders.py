@@ -254,6 +254,8 @@ def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: Operato
         "containers": [container],
         "volumes": volumes,
         "enableServiceLinks": False,
+        # Engines never call the Kubernetes API (a template.serviceAccountName still applies).
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 30,
     }
     pod_spec.update({key: template[key] for key in _TEMPLATE_POD_FIELDS if template.get(key)})
