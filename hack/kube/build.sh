@@ -37,7 +37,7 @@ build() {
   echo "building $name ($pkg) into $out" >&2
   local start=$SECONDS
   # Build to a temporary name and rename, so an interrupted build never leaves a broken binary.
-  (cd "$here" && CGO_ENABLED=0 go build -trimpath -ldflags="$flags" -o "$out/.$name.tmp" "$pkg")
+  (cd "$here" && CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags="$flags" -o "$out/.$name.tmp" "$pkg")
   mv -f "$out/.$name.tmp" "$out/$name"
   echo "built $name in $((SECONDS - start)) s" >&2
 }
