@@ -94,12 +94,11 @@ class LLMEngine:
         return results
 
     def _to_output(self, state: RequestState) -> RequestOutput:
-        request = self.core.requests.get(state.request_id)
         outputs = [CompletionOutput(s.index, s.text, list(s.token_ids),
                                     list(s.logprobs) if state.params.logprobs is not None else None,
                                     s.finish_reason, s.stop_reason) for s in state.sequences]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished,
-                             num_cached_tokens=request.num_cached_tokens if request else 0)
+                             num_cached_tokens=state.num_cached_tokens)
 
 
 def validate_prompt(config: EngineConfig, model_config, token_ids: list[int]) -> None:

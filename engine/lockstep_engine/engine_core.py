@@ -28,6 +28,7 @@ class CoreOutput:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -51,7 +52,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner):
         self.config = config
         self.runner = runner
-        self.blocks = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # A shared runner may hold more KV memory than this engine is configured to use.
+        num_blocks = min(runner.num_blocks, config.num_gpu_blocks_override or runner.num_blocks)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerLimits(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=config.max_model_len, num_scheduler_steps=config.num_scheduler_steps,
@@ -204,4 +207,5 @@ class EngineCore:
         elif seq.remaining_tokens <= 0:
             finish = "length"
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-        return CoreOutput(seq.request.request_id, seq.index, [token], logprobs, finish, stop_reason)
+        return CoreOutput(seq.request.request_id, seq.index, [token], logprobs, finish, stop_reason,
+                          seq.request.num_cached_tokens)

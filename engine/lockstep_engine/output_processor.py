@@ -98,6 +98,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[SequenceText]
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -128,6 +129,7 @@ class OutputProcessor:
         state = self.states.get(output.request_id)
         if state is None:
             return None, None
+        state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
         seq = state.sequences[output.index]
         if seq.finished:
             return state, None
