@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from k8s_harness import EXAMPLE, wait_for
+from k8s_harness import CHART, EXAMPLE, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -122,6 +122,21 @@ def test_helm_installs_the_chart_with_its_crd(release, kubectl):
     assert kubectl.get("configmap", "lockstep-dashboard", "-n", "lockstep-system")["data"][
         "lockstep.json"
     ].startswith("{")
+
+
+def test_the_documented_upgrade_path_works(release, control_plane, kubectl):
+    import helm_python as helm
+
+    # docs/KUBERNETES.md: apply the chart's CRD yourself, then `helm upgrade`.
+    kubectl.run("apply", "--server-side", "-f", str(CHART / "crds"))
+    with helm.Config(kubeconfig_path=str(control_plane.kubeconfig), namespace="lockstep-system") as cfg:
+        upgraded = cfg.upgrade(
+            str(CHART), "lockstep", {"dashboards": {"enabled": True}}, reuse_values=False, timeout=120
+        )
+    assert upgraded["status"] == "deployed" and upgraded["revision"] == 2
+    kubectl.run(
+        "wait", "--for=condition=Established", "crd/llmservices.serving.lockstep.dev", "--timeout=30s"
+    )
 
 
 # --- validation by the API server ------------------------------------------------------------
