@@ -29,7 +29,6 @@ from lockstep_operator.constants import (
 )
 from lockstep_operator.spec import ServiceSpec, SpecError, parse_spec
 
-CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded")
 
 
 @dataclass(frozen=True)
