@@ -30,7 +30,6 @@ from lockstep_operator.constants import (
 from lockstep_operator.spec import ServiceSpec, SpecError, parse_spec
 
 
-
 @dataclass(frozen=True)
 class Observed:
     """The LLMService's children as listed from the API server (only those it owns)."""
