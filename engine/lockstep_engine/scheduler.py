@@ -139,6 +139,7 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         rows: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
+        preemptions_before = self.num_preemptions
 
         # Running sequences first, oldest first; the newest are preempted when blocks run out.
         index = 0
@@ -160,7 +161,9 @@ class Scheduler:
             index += 1
 
         # Then waiting sequences, first come first served, while budget, seats and blocks last.
-        while self.waiting and len(self.running) < self.limits.max_num_seqs and budget > 0:
+        # Not after a preemption: blocks are short, and readmitting at once would only thrash.
+        preempted = self.num_preemptions != preemptions_before
+        while not preempted and self.waiting and len(self.running) < self.limits.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not seq.block_ids:
                 self.blocks.allocate_cached_prefix(seq)
@@ -168,9 +171,6 @@ class Scheduler:
                     seq.request.num_cached_tokens = seq.num_computed
             row = self._plan_row(seq, budget, num_steps)
             if row is None or not self.blocks.can_reserve(seq, self._slots_needed(row)):
-                if not rows and not self.running:
-                    # Nothing else will ever free blocks: keep its cached prefix and retry later.
-                    pass
                 break
             self.waiting.popleft()
             copies += self.blocks.reserve(seq, self._slots_needed(row))

@@ -1,0 +1,106 @@
+"""Scheduler on plain Python data: windows, chunked prefill, seats, preemption, auto window length."""
+
+from lockstep_engine.block_manager import BlockManager
+from lockstep_engine.sampling_params import SamplingParams
+from lockstep_engine.scheduler import Scheduler, SchedulerLimits
+from lockstep_engine.sequence import Request
+
+
+def _scheduler(num_blocks=64, steps=8, max_seqs=8, budget=64, block_size=4):
+    limits = SchedulerLimits(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=512,
+                             num_scheduler_steps=steps)
+    return Scheduler(limits, BlockManager(num_blocks, block_size))
+
+
+def _request(name, prompt_len, max_tokens=32, n=1, arrival=0.0):
+    return Request(name, list(range(prompt_len)), SamplingParams(n=n, max_tokens=max_tokens), 512, seed=0,
+                   arrival_time=arrival)
+
+
+def _finish_window(scheduler, plan, tokens=1):
+    for row in plan.rows:
+        if row.samples:
+            row.seq.token_ids += [7] * row.max_steps
+        scheduler.complete_row(row, row.max_steps if row.samples else 0)
+
+
+def test_a_window_reserves_lookahead_for_every_step():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", 10))
+    plan = scheduler.schedule()
+    [row] = plan.rows
+    assert plan.num_steps == 8 and row.num_new_tokens == 10 and row.samples and row.max_steps == 8
+    # 10 prompt tokens + 7 more written by steps 2..8 = 17 slots = 5 blocks of 4
+    assert len(row.seq.block_ids) == 5
+
+
+def test_max_steps_bounded_by_remaining_tokens():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", 10, max_tokens=3))
+    [row] = scheduler.schedule().rows
+    assert row.max_steps == 3
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_decodes_ride_along():
+    scheduler = _scheduler(budget=16)
+    scheduler.add_request(_request("short", 4, arrival=0.0))
+    scheduler.add_request(_request("long", 40, arrival=1.0))
+    plan = scheduler.schedule()
+    assert [(r.seq.request.request_id, r.num_new_tokens, r.samples) for r in plan.rows] == [
+        ("short", 4, True), ("long", 12, False)]
+    _finish_window(scheduler, plan)
+    plan = scheduler.schedule()
+    assert [(r.seq.request.request_id, r.num_new_tokens) for r in plan.rows] == [("short", 1), ("long", 15)]
+
+
+def test_max_num_seqs_limits_admission():
+    scheduler = _scheduler(max_seqs=2)
+    for name in "abc":
+        scheduler.add_request(_request(name, 4))
+    plan = scheduler.schedule()
+    assert len(plan.rows) == 2 and scheduler.num_waiting == 1
+
+
+def test_latest_arrival_is_preempted_when_blocks_run_out():
+    scheduler = _scheduler(num_blocks=9, steps=4)
+    scheduler.add_request(_request("old", 12, arrival=0.0))
+    scheduler.add_request(_request("new", 12, arrival=1.0))
+    plan = scheduler.schedule()
+    assert len(plan.rows) == 2  # 15 slots each = 4 blocks each
+    _finish_window(scheduler, plan)
+    plan = scheduler.schedule()  # each now needs 19 slots = 5 blocks, and 1 is free
+    assert [r.seq.request.request_id for r in plan.rows] == ["old"]
+    assert scheduler.num_preemptions == 1 and scheduler.waiting[0].request.request_id == "new"
+    assert scheduler.waiting[0].num_computed == 0 and scheduler.waiting[0].block_ids == []
+
+
+def test_n_samples_prefill_once_then_fork():
+    scheduler = _scheduler()
+    request = _request("a", 10, n=3)
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    [row] = plan.rows
+    assert row.num_new_tokens == 9 and not row.samples  # the last prompt token is computed per sample
+    _finish_window(scheduler, plan)
+    scheduler.fork_ready_requests([request])
+    assert len(request.sequences) == 3
+    plan = scheduler.schedule()
+    assert [r.num_new_tokens for r in plan.rows] == [1, 1, 1] and all(r.samples for r in plan.rows)
+    # the shared block with the last prompt slot was copied for two of the three samples
+    assert len(plan.block_copies) == 2
+
+
+def test_auto_shrinks_with_waiting_requests_and_grows_in_steady_decode():
+    scheduler = _scheduler(steps="auto", max_seqs=1)
+    scheduler.add_request(_request("a", 4, max_tokens=200))
+    scheduler.add_request(_request("b", 4, max_tokens=200))
+    first = scheduler.schedule()
+    assert first.num_steps <= 2  # "b" is waiting
+    _finish_window(scheduler, first)
+    scheduler.waiting.clear()
+    lengths = []
+    for _ in range(4):
+        plan = scheduler.schedule()
+        lengths.append(plan.num_steps)
+        _finish_window(scheduler, plan)
+    assert lengths == sorted(lengths) and lengths[-1] > lengths[0]
