@@ -21,7 +21,7 @@ from lockstep_engine.attention import AttentionMetadata, make_backend
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.models.llama import LlamaForCausalLM
 from lockstep_engine.parallel import SINGLE, ParallelState
-from lockstep_engine.sampler import Sampler, SamplingTensors, row_seed
+from lockstep_engine.sampler import SampleOutput, Sampler, SamplingTensors, row_seed
 from lockstep_engine.scheduler import WindowPlan
 from lockstep_engine.sources import ModelSource, log
 
@@ -120,6 +120,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._count_kv_blocks()
         self._allocate_kv_cache()
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and getattr(self.backend, "graph_safe", False):
+            from lockstep_engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
 
     # ---- setup ------------------------------------------------------------------------------
     def _load_weights(self, source: ModelSource) -> None:
@@ -285,10 +290,12 @@ class ModelRunner:
         num_generated = self._tensor([row.seq.num_output_tokens for row in sampling_rows])
         timings.prepare_s = time.perf_counter() - started
 
-        forward_start = time.perf_counter()
+        clock = StepClock(self.device)
+        clock.start()
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
         if not sampling_rows:
-            timings.forward_s.append(time.perf_counter() - forward_start)
+            clock.end()
+            timings.forward_s, timings.gaps_s = clock.harvest()
             return timings
         logits = self.model.compute_logits(hidden[self._tensor(sample_index)]).float()
         guide = self._make_guide(sampling_rows)
@@ -296,57 +303,161 @@ class ModelRunner:
 
         # ---- device state of the decode steps that follow ----
         sel = self._tensor(sample_sel)
-        max_steps = self._tensor([row.max_steps for row in sampling_rows])
-        stop_ids = t.stop_ids
-        tokens = out.tokens
-        done = torch.zeros(len(sampling_rows), dtype=torch.bool, device=self.device)
-        steps_done = torch.zeros_like(max_steps)
-        dec_table = block_table[sel]
-        dec_pos = seq_lens_t[sel]  # position of the token sampled in step 1
-        sink = self.sink_slot
+        state = DecodeState(
+            tokens=out.tokens, positions=seq_lens_t[sel], table=block_table[sel],
+            done=torch.zeros(len(sampling_rows), dtype=torch.bool, device=self.device),
+            steps_done=torch.zeros(len(sampling_rows), dtype=torch.int64, device=self.device),
+            max_steps=self._tensor([row.max_steps for row in sampling_rows]),
+            num_generated=num_generated, sampling=t, counts=counts)
+        self._advance(state, out)
+        clock.end()
         max_dec_len = max(seq_lens[i] for i in sample_sel)
-        table_len = dec_table.shape[1] * bs
-
-        for step in range(1, plan.num_steps + 1):
-            if step > 1:
-                forward_start = time.perf_counter()
-                if timings.forward_s:
-                    timings.gaps_s.append(forward_start - last_end)
-                # Done rows may point past their reservation: clamp, then send them to the sink.
-                block_index = (dec_pos // bs).clamp(max=dec_table.shape[1] - 1)
-                slot = dec_table.gather(1, block_index.unsqueeze(1)).squeeze(1) * bs + dec_pos % bs
-                slot = torch.where(done, sink, slot)
-                meta = AttentionMetadata(slot_mapping=slot, block_tables=dec_table, seq_lens=dec_pos + 1,
-                                         query_start_loc=None,
-                                         max_seq_len=min(max_dec_len + step - 1, table_len))
-                hidden = self.model(tokens, dec_pos, meta)
-                out = self.sampler(self.model.compute_logits(hidden).float(), t, num_generated, counts,
-                                   guide.allowed_mask() if guide else None)
-                dec_pos = dec_pos + (~done).long()
-            # The row sampled a valid token at this step unless it was already done.
-            valid = ~done
-            tokens = torch.where(valid, out.tokens, tokens)
-            hit_stop = (stop_ids == tokens.unsqueeze(1)).any(dim=1) & valid
-            steps_done = steps_done + valid.long()
-            if counts is not None:
-                counts.scatter_add_(1, tokens.unsqueeze(1), valid.float().unsqueeze(1))
-            num_generated = num_generated + valid.long()
-            done = done | hit_stop | (steps_done >= max_steps)
-            last_end = time.perf_counter()
-            timings.forward_s.append(last_end - forward_start)
-            host_tokens = torch.where(valid, tokens, -1).tolist()
-            if guide is not None:
-                guide.accept(host_tokens)
-            step_out = StepOutput(step=step, tokens=host_tokens)
-            if out.logprobs is not None:
-                step_out.logprobs = out.logprobs.tolist()
-                step_out.ranks = out.ranks.tolist()
-                if out.top_ids is not None:
-                    step_out.top_ids = out.top_ids.tolist()
-                    step_out.top_logprobs = out.top_logprobs.tolist()
-            callback_start = time.perf_counter()
-            on_step(step_out)
-            timings.output_s += time.perf_counter() - callback_start
-            if bool(done.all()):
+        table_len = state.table.shape[1] * bs
+        # Without a host consumer per step (guided rows, or the CPU where copies are free) the
+        # whole window is launched without waiting; tokens reach the host as each step's copy lands.
+        stream_async = self.device.type == "cuda" and guide is None
+        outputs = StepStream(on_step, timings)
+        outputs.push(1, state.emitted, out, sync=not stream_async)
+        if guide is not None:
+            guide.accept(outputs.last_tokens)
+        graph = None
+        if self.graphs is not None and plan.num_steps > 1 and self.graphs.usable(state, guide):
+            graph = self.graphs.begin(state)
+        rows_n = len(sampling_rows)
+        for step in range(2, plan.num_steps + 1):
+            if not stream_async and bool(state.done.all()):
                 break
+            clock.start()
+            if graph is not None:
+                graph.graph.replay()
+                emitted, out = graph.inputs["emitted"][:rows_n], None
+            else:
+                out = self._decode_step(state, min(max_dec_len + step - 1, table_len), guide)
+                self._advance(state, out)
+                emitted = state.emitted
+            clock.end()
+            outputs.push(step, emitted, out, sync=not stream_async)
+            if guide is not None:
+                guide.accept(outputs.last_tokens)
+        outputs.drain()
+        timings.forward_s, timings.gaps_s = clock.harvest()
         return timings
+
+    def _decode_step(self, state: "DecodeState", max_seq_len: int, guide) -> "SampleOutput":
+        """One decode step of every sampling row: forward, then sample. Inputs come from the device."""
+        bs = self.block_size
+        # Done rows may point past their reservation: clamp, then send them to the sink.
+        block_index = (state.positions // bs).clamp(max=state.table.shape[1] - 1)
+        slot = state.table.gather(1, block_index.unsqueeze(1)).squeeze(1) * bs + state.positions % bs
+        slot = torch.where(state.done, self.sink_slot, slot)
+        meta = AttentionMetadata(slot_mapping=slot, block_tables=state.table, seq_lens=state.positions + 1,
+                                 query_start_loc=None, max_seq_len=max_seq_len)
+        hidden = self.model(state.tokens, state.positions, meta)
+        logits = self.model.compute_logits(hidden).float()
+        out = self.sampler(logits, state.sampling, state.num_generated, state.counts,
+                           guide.allowed_mask() if guide else None)
+        state.positions = state.positions + (~state.done).long()
+        return out
+
+    @staticmethod
+    def _advance(state: "DecodeState", out) -> None:
+        """Feeds a step's samples back: valid rows take the token, stops and limits end rows."""
+        valid = ~state.done
+        state.tokens = torch.where(valid, out.tokens, state.tokens)
+        state.emitted = torch.where(valid, state.tokens, -1)
+        hit_stop = (state.sampling.stop_ids == state.tokens.unsqueeze(1)).any(dim=1) & valid
+        state.steps_done = state.steps_done + valid.long()
+        if state.counts is not None:
+            state.counts.scatter_add_(1, state.tokens.unsqueeze(1), valid.float().unsqueeze(1))
+        state.num_generated = state.num_generated + valid.long()
+        state.done = state.done | hit_stop | (state.steps_done >= state.max_steps)
+
+
+@dataclass
+class DecodeState:
+    """Device tensors of the sampling rows inside a window, [rows] unless noted."""
+
+    tokens: torch.Tensor  # last sampled token: the next step's input
+    positions: torch.Tensor  # position of that token
+    table: torch.Tensor  # [rows, max_blocks] block table
+    done: torch.Tensor  # bool: stopped or out of budget; writes go to the sink slot
+    steps_done: torch.Tensor
+    max_steps: torch.Tensor
+    num_generated: torch.Tensor
+    sampling: SamplingTensors
+    counts: torch.Tensor | None  # [rows, vocab] output token counts (penalties)
+    emitted: torch.Tensor | None = None  # this step's token per row, -1 where the row was done
+
+
+class StepClock:
+    """Times forwards and the idle gaps between them: CUDA events on the compute stream (harvested
+    after the window's final wait, so no extra sync), or the host clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks.append(self._mark())
+
+    def end(self) -> None:
+        self.marks.append(self._mark())
+
+    def harvest(self) -> tuple[list[float], list[float]]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            span = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            span = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return span[0::2], span[1::2]  # forwards, gaps between them
+
+
+class StepStream:
+    """Hands each step's tokens to the host callback: at once (sync) or as its async copy lands."""
+
+    def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings):
+        self.on_step = on_step
+        self.timings = timings
+        self.pending: list[tuple[int, object, list]] = []
+        self.last_tokens: list[int] = []
+
+    def push(self, step: int, emitted: torch.Tensor, out, sync: bool) -> None:
+        tensors = [emitted]
+        if out is not None and out.logprobs is not None:
+            tensors += [out.logprobs, out.ranks]
+            if out.top_ids is not None:
+                tensors += [out.top_ids, out.top_logprobs]
+        if sync:
+            self._deliver(step, [x.tolist() for x in tensors])
+            return
+        host = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True) for x in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((step, event, host))
+        while self.pending and self.pending[0][1].query():
+            step_done, _, ready = self.pending.pop(0)
+            self._deliver(step_done, [x.tolist() for x in ready])
+
+    def drain(self) -> None:
+        for step, event, host in self.pending:
+            event.synchronize()
+            self._deliver(step, [x.tolist() for x in host])
+        self.pending = []
+
+    def _deliver(self, step: int, values: list) -> None:
+        out = StepOutput(step=step, tokens=values[0])
+        if len(values) > 1:
+            out.logprobs, out.ranks = values[1], values[2]
+            if len(values) > 3:
+                out.top_ids, out.top_logprobs = values[3], values[4]
+        self.last_tokens = out.tokens
+        started = time.perf_counter()
+        self.on_step(out)
+        self.timings.output_s += time.perf_counter() - started

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from lockstep import protocol as p
 from lockstep_engine.api import metrics
 from lockstep_engine.output_processor import OutputProcessor, RequestState
+from lockstep_engine.sources import log
 
 WATCHDOG_INTERVAL_S = 0.25
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -239,7 +240,14 @@ class EngineCoreClient:
             generation = self._generations.get(output.request_id)
             if generation is None:
                 continue  # aborted or already answered
-            state, stop = self.processor.process(output)
+            try:
+                state, stop = self.processor.process(output)
+            except Exception as error:  # a bug in output processing must end the request, not hang it
+                log(f"error: output processing of {output.request_id} failed: {error!r}")
+                generation.error = RuntimeError(f"output processing failed: {type(error).__name__}")
+                generation.updated.set()
+                self.abort(generation)
+                continue
             if stop is not None:
                 self._send(p.StopSequence(output.request_id, output.index, stop))
             generation.last_emitted_at = message.emitted_at

@@ -388,6 +388,9 @@ class OpenAIServing:
         except EngineDeadError as error:
             completed = True
             yield _sse(error_body(503, str(error))) + SSE_DONE
+        except RuntimeError as error:
+            completed = True
+            yield _sse(error_body(500, str(error))) + SSE_DONE
         finally:
             # A client that went away mid-stream lands here via cancellation: free its blocks.
             if completed and generation.finished:
@@ -408,6 +411,8 @@ class OpenAIServing:
             raise bad_request(str(error), error.param) from None
         except EngineDeadError as error:
             raise APIError(503, str(error)) from None
+        except RuntimeError as error:
+            raise APIError(500, str(error)) from None
         except _ClientGone:
             self.client.abort(generation)
             raise APIError(400, "the client disconnected before the response was ready") from None

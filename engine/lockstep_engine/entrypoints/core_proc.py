@@ -167,7 +167,7 @@ def _to_protocol(output) -> p.SequenceOutput:
     if output.logprobs is not None:
         logprobs = [p.TokenLogprob(e.token_id, e.logprob, e.rank, list(e.top)) for e in output.logprobs]
     return p.SequenceOutput(output.request_id, output.index, list(output.token_ids), logprobs,
-                            output.finish_reason, output.stop_reason)
+                            output.finish_reason, output.stop_reason, getattr(output, "num_cached_tokens", 0))
 
 
 def _build_core(config):

@@ -1,0 +1,120 @@
+"""CUDA graphs for the decode steps of a window.
+
+A decode step (forward, sampling, feedback of the token, position/slot advance, stop masks) is
+captured once per batch bucket; inside a window each step is then one graph replay, so the GPU
+runs step after step while the host only enqueues replays and reads finished steps' tokens.
+Windows needing per-step host work (guided decoding) or rarely used features (penalties, logprobs)
+run eagerly.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+
+import torch
+
+from lockstep_engine.sampler import SamplingTensors
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MAX_STOP_IDS = 8
+_STATE_FIELDS = ("tokens", "positions", "done", "steps_done", "max_steps", "num_generated")
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "min_tokens")
+
+
+class _Graph:
+    def __init__(self, runner, bucket: int, greedy: bool, filtered: bool, pool):
+        from lockstep_engine.model_runner import DecodeState
+
+        device, vocab = runner.device, runner.model_config.vocab_size
+        width = -(-runner.config.max_model_len // runner.block_size)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.bucket = bucket
+        self.sink_block = runner.num_blocks
+        self.inputs = {
+            "tokens": torch.zeros(bucket, **i64), "positions": torch.zeros(bucket, **i64),
+            "done": torch.ones(bucket, dtype=torch.bool, device=device), "steps_done": torch.zeros(bucket, **i64),
+            "max_steps": torch.zeros(bucket, **i64), "num_generated": torch.zeros(bucket, **i64),
+            "table": torch.full((bucket, width), runner.num_blocks, **i64),
+            "emitted": torch.full((bucket,), -1, **i64),
+        }
+        self.sampling = SamplingTensors(
+            temperature=torch.zeros(bucket, dtype=torch.float32, device=device),
+            top_k=torch.full((bucket,), vocab, **i64),
+            top_p=torch.ones(bucket, dtype=torch.float32, device=device),
+            min_p=torch.zeros(bucket, dtype=torch.float32, device=device),
+            seeds=torch.zeros(bucket, **i64), stop_ids=torch.full((bucket, MAX_STOP_IDS), -1, **i64),
+            min_tokens=torch.zeros(bucket, **i64), presence=None, frequency=None, repetition=None,
+            prompt_mask=None, logit_bias=None, all_greedy=greedy, any_filter=filtered, num_logprobs=-1)
+
+        def body():
+            state = DecodeState(sampling=self.sampling, counts=None, table=self.inputs["table"],
+                                **{name: self.inputs[name] for name in _STATE_FIELDS})
+            out = runner._decode_step(state, runner.config.max_model_len, None)
+            runner._advance(state, out)
+            for name in _STATE_FIELDS:
+                self.inputs[name].copy_(getattr(state, name))
+            self.inputs["emitted"].copy_(state.emitted)
+
+        # Warm up on a side stream (Triton compiles, allocator settles), then capture.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.inputs["done"].fill_(True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            body()
+
+    def load(self, state) -> None:
+        """Copies a window's decode state into the static buffers; padding rows are done."""
+        rows = state.tokens.shape[0]
+        for name in _STATE_FIELDS:
+            buffer = self.inputs[name]
+            buffer[:rows].copy_(getattr(state, name))
+        self.inputs["done"][rows:].fill_(True)
+        self.inputs["max_steps"][rows:].fill_(0)
+        table = self.inputs["table"]
+        table.fill_(self.sink_block)
+        table[:rows, :state.table.shape[1]].copy_(state.table)
+        for name in _SAMPLING_FIELDS:
+            getattr(self.sampling, name)[:rows].copy_(getattr(state.sampling, name))
+        stop = self.sampling.stop_ids
+        stop.fill_(-1)
+        stop[:rows, :state.sampling.stop_ids.shape[1]].copy_(state.sampling.stop_ids)
+
+
+class DecodeGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs: dict[tuple[int, bool, bool], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.sink_block = runner.num_blocks
+
+    def usable(self, state, guide) -> bool:
+        t = state.sampling
+        return (guide is None and state.counts is None and t.num_logprobs < 0
+                and t.stop_ids.shape[1] <= MAX_STOP_IDS and state.tokens.shape[0] <= BUCKETS[-1])
+
+    def _graph(self, rows: int, t: SamplingTensors) -> _Graph:
+        bucket = next(b for b in BUCKETS if b >= rows)
+        key = (bucket, t.all_greedy, t.any_filter)
+        if key not in self.graphs:
+            self.graphs[key] = _Graph(self.runner, bucket, t.all_greedy, t.any_filter, self.pool)
+        return self.graphs[key]
+
+    def warmup(self, max_rows: int) -> None:
+        """Captures the greedy graphs of every bucket up to max_rows before serving."""
+        greedy = SamplingTensors(*([None] * 12), all_greedy=True, any_filter=False, num_logprobs=-1)
+        for bucket in BUCKETS:
+            if bucket > max(max_rows, 1) * 2 and bucket > BUCKETS[0]:
+                break
+            self._graph(bucket, greedy)
+            print(f"[lockstep] captured decode graph for batch {bucket}", file=sys.stderr, flush=True)
+
+    def begin(self, state) -> _Graph:
+        graph = self._graph(state.tokens.shape[0], state.sampling)
+        graph.load(state)
+        return graph

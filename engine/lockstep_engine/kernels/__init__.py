@@ -1,0 +1,1 @@
+"""GPU kernels (Triton). Importing this package imports triton; the torch backend never does."""
