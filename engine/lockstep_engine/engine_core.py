@@ -43,7 +43,9 @@ class CoreStats:
     forward_s: float = 0.0
     output_s: float = 0.0
     update_s: float = 0.0
-    gaps_s: list[float] = field(default_factory=list)
+    gaps_s: list[float] = field(default_factory=list)  # idle between steps inside a window
+    boundary_gaps_s: list[float] = field(default_factory=list)  # idle between back-to-back windows
+    decode_step_s: list[float] = field(default_factory=list)  # steps 2..N of windows: pure decode
     window_steps: list[int] = field(default_factory=list)
     step_batch_sizes: list[int] = field(default_factory=list)
 
@@ -64,7 +66,8 @@ class EngineCore:
         self.stats = CoreStats()
         self._eos = set(runner.model_config.eos_token_ids)
         self._in_flight: WindowPlan | None = None
-        self._pending_release: list[Sequence] = []  # finished, blocks freed when no window is in flight
+        self._pending_release: list[Sequence] = []
+        self._busy = False  # finished, blocks freed when no window is in flight
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -135,6 +138,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         schedule_s = time.perf_counter() - started
         if plan is None:
+            self._busy = False
             return None
         now = time.monotonic()
         for row in plan.rows:
@@ -159,7 +163,7 @@ class EngineCore:
 
         self._in_flight = plan
         try:
-            timings = self.runner.execute_window(plan, on_step)
+            timings = self.runner.execute_window(plan, on_step, continuing=self._busy)
         finally:
             self._in_flight = None
         update_start = time.perf_counter()
@@ -172,6 +176,7 @@ class EngineCore:
         for row in plan.rows:
             self.scheduler.complete_row(row, sampled.get(id(row), 0))
         self._release_finished()
+        self._busy = self.scheduler.has_work()  # the next window follows at once: its wait is a gap
         stats = self.stats
         stats.num_windows += 1
         stats.num_steps += executed
@@ -182,6 +187,9 @@ class EngineCore:
         stats.forward_s += sum(timings.forward_s)
         stats.output_s += timings.output_s
         stats.gaps_s += timings.gaps_s
+        stats.decode_step_s += timings.forward_s[1:]
+        if timings.boundary_gap_s is not None:
+            stats.boundary_gaps_s.append(timings.boundary_gap_s)
         stats.update_s += time.perf_counter() - update_start
         return timings
 

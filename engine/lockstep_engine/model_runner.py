@@ -74,6 +74,7 @@ class WindowTimings:
     forward_s: list[float] = field(default_factory=list)  # per step: forward + sample + advance
     output_s: float = 0.0  # host callbacks (output processing)
     gaps_s: list[float] = field(default_factory=list)  # idle between the end of step k and start of k+1
+    boundary_gap_s: float | None = None  # idle since the previous window ended (None: engine was idle)
 
 
 class Guide(Protocol):
@@ -120,6 +121,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._count_kv_blocks()
         self._allocate_kv_cache()
+        self._last_mark = None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and getattr(self.backend, "graph_safe", False):
             from lockstep_engine.cuda_graphs import DecodeGraphs
@@ -256,7 +258,8 @@ class ModelRunner:
         return self.guide_factory(rows)
 
     @torch.inference_mode()
-    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None]) -> WindowTimings:
+    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
+                       continuing: bool = False) -> WindowTimings:
         timings = WindowTimings()
         started = time.perf_counter()
         self.copy_blocks(plan.block_copies)
@@ -290,12 +293,13 @@ class ModelRunner:
         num_generated = self._tensor([row.seq.num_output_tokens for row in sampling_rows])
         timings.prepare_s = time.perf_counter() - started
 
-        clock = StepClock(self.device)
+        clock = StepClock(self.device, self._last_mark if continuing else None)
         clock.start()
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
         if not sampling_rows:
             clock.end()
-            timings.forward_s, timings.gaps_s = clock.harvest()
+            timings.forward_s, timings.gaps_s, timings.boundary_gap_s = clock.harvest()
+            self._last_mark = clock.marks[-1]
             return timings
         logits = self.model.compute_logits(hidden[self._tensor(sample_index)]).float()
         guide = self._make_guide(sampling_rows)
@@ -340,7 +344,8 @@ class ModelRunner:
             if guide is not None:
                 guide.accept(outputs.last_tokens)
         outputs.drain()
-        timings.forward_s, timings.gaps_s = clock.harvest()
+        timings.forward_s, timings.gaps_s, timings.boundary_gap_s = clock.harvest()
+        self._last_mark = clock.marks[-1]
         return timings
 
     def _decode_step(self, state: "DecodeState", max_seq_len: int, guide) -> "SampleOutput":
@@ -393,8 +398,9 @@ class StepClock:
     """Times forwards and the idle gaps between them: CUDA events on the compute stream (harvested
     after the window's final wait, so no extra sync), or the host clock on the CPU."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, previous_end=None):
         self.cuda = device.type == "cuda"
+        self.previous_end = previous_end  # the last mark of the window before, when it ran back to back
         self.marks: list = []
 
     def _mark(self):
@@ -410,13 +416,16 @@ class StepClock:
     def end(self) -> None:
         self.marks.append(self._mark())
 
-    def harvest(self) -> tuple[list[float], list[float]]:
+    def _between(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def harvest(self) -> tuple[list[float], list[float], float | None]:
+        """(forward times, gaps between them, gap since the previous window or None)."""
         if self.cuda:
             self.marks[-1].synchronize()
-            span = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            span = [b - a for a, b in zip(self.marks, self.marks[1:])]
-        return span[0::2], span[1::2]  # forwards, gaps between them
+        span = [self._between(a, b) for a, b in zip(self.marks, self.marks[1:])]
+        boundary = self._between(self.previous_end, self.marks[0]) if self.previous_end is not None else None
+        return span[0::2], span[1::2], boundary
 
 
 class StepStream:

@@ -186,8 +186,12 @@ class EngineCoreClient:
             self._send(p.AbortRequests(list(self._generations)))
 
     def release(self, generation: Generation) -> None:
-        for rid in generation.request_ids:
-            self._generations.pop(rid, None)
+        """Forgets a generation (answered, or aborted by `abort`), counting how each sample ended."""
+        for rid, state in zip(generation.request_ids, generation.states):
+            if self._generations.pop(rid, None) is None:
+                continue
+            for seq in state.sequences:
+                metrics.count_finished(seq.finish_reason or "abort")
             self.processor.remove(rid)
 
     def _send(self, message) -> None:
@@ -276,10 +280,12 @@ class EngineCoreClient:
         self._fail_all(EngineDeadError(f"engine core failed: {reason}"))
 
     def _fail_all(self, error: Exception) -> None:
-        for generation in list(self._generations.values()):
+        for rid, generation in list(self._generations.items()):
             if generation.error is None:
                 generation.error = error
             generation.updated.set()
-        for rid in list(self._generations):
+            state = self.processor.states.get(rid)
+            for seq in state.sequences if state is not None else []:
+                metrics.count_finished(seq.finish_reason or "error")
             self.processor.remove(rid)
         self._generations.clear()

@@ -7,7 +7,7 @@ autoscalers built for vLLM read this server unchanged; they keep vLLM's `model_n
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -25,6 +25,10 @@ STREAM_DELAY = Histogram(
     "Engine core emitting a step's tokens -> the API server handing the streamed chunk to the HTTP transport",
     buckets=_FAST_BUCKETS, registry=REGISTRY)
 
+FINISHED = Counter(
+    "lockstep_requests_finished", "Samples (choices) that ended, by how: stop, length, abort (client gone or "
+    "shutdown) or error (engine core lost)", ["reason"], registry=REGISTRY)
+
 _OUTPUT_IPC = HOST_PHASE.labels(phase="output_ipc")
 _DETOKENIZE = HOST_PHASE.labels(phase="detokenize")
 
@@ -35,6 +39,10 @@ def observe_output_ipc(seconds: float) -> None:
 
 def observe_detokenize(seconds: float) -> None:
     _DETOKENIZE.observe(seconds)
+
+
+def count_finished(reason: str) -> None:
+    FINISHED.labels(reason=reason).inc()
 
 
 def observe_stream_delay(seconds: float) -> None:

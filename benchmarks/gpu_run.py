@@ -1,0 +1,271 @@
+"""One-shot GPU run: correctness checks, the sharegpt-synth headline for several N, the transformers
+continuous-batching peer, and a decode roofline. Prints one table; writes JSON and logs to $OUT.
+
+    PYTHONPATH=.:engine python benchmarks/gpu_run.py --num-prompts 1000 --steps 1 8 auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from lockstep.bench.workload import make_workload
+from lockstep_engine.llm import LLM
+from lockstep_engine.sampling_params import SamplingParams
+
+OUT = os.environ.get("OUT", ".bench")
+RESULTS: dict = {}
+
+
+def log(message: str) -> None:
+    print(f"[gpu_run] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(int(round(q / 100 * (len(values) - 1))), len(values) - 1)]
+
+
+def summary(values_s):
+    ms = [v * 1e3 for v in values_s]
+    return {"mean": statistics.fmean(ms) if ms else float("nan"), "median": percentile(ms, 50),
+            "p99": percentile(ms, 99)}
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - start)  # read + write bytes/s
+
+
+def run_workload(llm: LLM, prompts, lengths, label: str) -> dict:
+    engine = llm.engine
+    stats = engine.core.stats
+    first, last, counts, gaps = {}, {}, {}, []
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+           for p, n in zip(prompts, lengths)]
+
+    def on_step(outputs):
+        now = time.perf_counter()
+        for o in outputs:
+            if not o.token_ids:
+                continue
+            rid = o.request_id
+            if rid not in first:
+                first[rid] = now
+            elif rid in last:
+                gaps.append(now - last[rid])
+            last[rid] = now
+            counts[rid] = counts.get(rid, 0) + len(o.token_ids)
+
+    done, report = 0, t0
+    while engine.has_unfinished_requests():
+        done += sum(o.finished for o in engine.step(on_step=on_step))
+        if time.perf_counter() - report > 15:
+            report = time.perf_counter()
+            log(f"{label}: {done}/{len(ids)} requests, {report - t0:.0f}s")
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(counts.values())
+    ttft = [first[r] - t0 for r in ids]
+    tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in ids if counts[r] > 1]
+    intra = [g for g in stats.gaps_s]
+    busy = stats.forward_s
+    return {
+        "requests": len(ids), "elapsed_s": elapsed, "req_per_s": len(ids) / elapsed,
+        "output_tok_per_s": out_tokens / elapsed,
+        "total_tok_per_s": (out_tokens + sum(len(p) for p in prompts)) / elapsed,
+        "ttft_ms": summary(ttft), "tpot_ms": summary(tpot), "itl_ms": summary(gaps),
+        "mean_gap_us": 1e6 * statistics.fmean(intra) if intra else float("nan"),
+        "mean_boundary_gap_us": 1e6 * statistics.fmean(stats.boundary_gaps_s) if stats.boundary_gaps_s else float("nan"),
+        "idle_fraction": 1 - busy / elapsed,
+        "steps": stats.num_steps, "windows": stats.num_windows,
+        "mean_batch": statistics.fmean(stats.step_batch_sizes) if stats.step_batch_sizes else 0,
+        "step_ms": 1e3 * busy / max(stats.num_steps, 1),
+    }
+
+
+def greedy_match(base: LLM, args) -> dict:
+    """Triton vs torch attention on the same weights: first 32 greedy tokens of 64 prompts."""
+    vocab = base.engine.model_config.vocab_size
+    prompts = [[(7919 * i + 31 * k) % (vocab - 1000) + 1000 for k in range(16 + 5 * i)] for i in range(64)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    results = {}
+    for backend in ("torch", "triton"):
+        try:
+            llm = LLM(args.model, share_model_with=base, attention_backend=backend, num_scheduler_steps=8,
+                      max_model_len=args.max_model_len)
+            results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        except Exception as error:  # the report says which backend failed and why
+            results[backend] = repr(error)
+            log(f"backend {backend} failed: {traceback.format_exc()}")
+    if any(isinstance(v, str) for v in results.values()):
+        return {"error": {k: v for k, v in results.items() if isinstance(v, str)}}
+    same = total = 0
+    first_gap = None
+    for a, b in zip(results["torch"], results["triton"]):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        total += 1
+        if ta == tb:
+            same += 1
+        elif first_gap is None:
+            k = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+            top = a.outputs[0].logprobs[k].top
+            first_gap = {"prompt": total - 1, "position": k,
+                         "torch_top2_gap": top[0][1] - top[1][1] if len(top) > 1 else None}
+    return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap}
+
+
+def peer(args, prompts, lengths) -> dict:
+    """Hugging Face transformers continuous batching (paged|sdpa) on the same requests."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from lockstep_engine.model_config import RANDOM_SHAPES
+
+    shape = RANDOM_SHAPES[args.model.split(":", 1)[1]]
+    config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+                         num_attention_heads=shape.num_attention_heads,
+                         num_key_value_heads=shape.num_key_value_heads, rope_theta=shape.rope_theta,
+                         max_position_embeddings=shape.max_position_embeddings)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
+    model.config._attn_implementation = "paged|sdpa"
+    model.eval()
+    gen = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=-1, pad_token_id=0,
+                           use_cuda_graph=False)
+    t0 = time.perf_counter()
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+    out_tokens = 0
+    for _ in ids:
+        result = manager.get_result(timeout=args.peer_timeout)
+        if result is None:
+            break
+        out_tokens += len(result.generated_tokens)
+    elapsed = time.perf_counter() - t0
+    manager.stop(block=True)
+    del model
+    torch.cuda.empty_cache()
+    return {"requests": len(ids), "elapsed_s": elapsed, "req_per_s": len(ids) / elapsed,
+            "output_tok_per_s": out_tokens / elapsed, "output_tokens": out_tokens}
+
+
+def roofline(base: LLM, args, bandwidth: float) -> list[dict]:
+    mc = base.engine.model_config
+    weight_bytes = mc.num_parameters * 2
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
+    rows = []
+    for batch in (1, 32, 128, 256):
+        llm = LLM(args.model, share_model_with=base, num_scheduler_steps=16, max_num_seqs=batch,
+                  max_model_len=args.max_model_len)
+        prompts = [[(101 * i + k) % 30000 + 1000 for k in range(args.roofline_context)] for i in range(batch)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True))
+        # decode steps only: each window's first step may carry prefill
+        times = sorted(llm.engine.core.stats.decode_step_s)
+        step_s = times[len(times) // 2]
+        kv_bytes = batch * (args.roofline_context + 16) * kv_per_token
+        ideal = (weight_bytes + kv_bytes) / bandwidth
+        rows.append({"batch": batch, "step_ms": step_s * 1e3, "roofline_ms": ideal * 1e3,
+                     "ratio": step_s / ideal})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="random:llama-3-8b")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--peer-prompts", type=int, default=200)
+    parser.add_argument("--steps", nargs="+", default=["1", "8", "auto"])
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--roofline-context", type=int, default=512)
+    parser.add_argument("--peer-timeout", type=float, default=600)
+    parser.add_argument("--skip", nargs="*", default=[])
+    args = parser.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["torch"] = torch.__version__
+    bandwidth = copy_bandwidth()
+    RESULTS["copy_bandwidth_TBps"] = bandwidth / 1e12
+    log(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    base = LLM(args.model, num_scheduler_steps=1, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens)
+    RESULTS["backend"] = base.engine.runner.backend.name
+    RESULTS["kv_blocks"] = base.engine.runner.num_blocks
+    if "match" not in args.skip:
+        RESULTS["greedy_match_triton_vs_torch"] = greedy_match(base, args)
+        log(f"greedy match: {RESULTS['greedy_match_triton_vs_torch']}")
+    workload = make_workload("sharegpt-synth", args.num_prompts, seed=0,
+                             vocab_size=base.engine.model_config.vocab_size)
+    prompts = [r.prompt_token_ids for r in workload]
+    lengths = [r.output_len for r in workload]
+    RESULTS["runs"] = {}
+    for n in args.steps:
+        steps = n if n == "auto" else int(n)
+        llm = LLM(args.model, share_model_with=base, num_scheduler_steps=steps, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        if llm.engine.runner.graphs is not None:
+            llm.engine.runner.graphs.warmup(args.max_num_seqs)
+        log(f"sharegpt-synth N={n}")
+        RESULTS["runs"][f"N={n}"] = run_workload(llm, prompts, lengths, f"N={n}")
+        log(json.dumps(RESULTS["runs"][f"N={n}"]))
+        json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
+    if "roofline" not in args.skip:
+        RESULTS["roofline"] = roofline(base, args, bandwidth)
+    if "peer" not in args.skip:
+        try:
+            del base
+            torch.cuda.empty_cache()
+            RESULTS["peer"] = peer(args, prompts[:args.peer_prompts], lengths[:args.peer_prompts])
+        except Exception:
+            RESULTS["peer"] = {"error": traceback.format_exc()[-2000:]}
+        log(f"peer: {RESULTS['peer']}")
+    json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
+    print_table()
+    return 0
+
+
+def print_table() -> None:
+    print(f"device: {RESULTS['device']}  backend: {RESULTS.get('backend')}  copy bw: "
+          f"{RESULTS['copy_bandwidth_TBps']:.2f} TB/s")
+    head = f"{'run':<10}{'req/s':>8}{'out tok/s':>10}{'tot tok/s':>10}" \
+           f"{'TTFT mean/med/p99 ms':>24}{'TPOT mean/med/p99':>22}{'ITL mean/med/p99':>22}{'gap us':>8}{'bnd us':>8}{'idle':>7}"
+    print(head)
+    for name, r in RESULTS.get("runs", {}).items():
+        f = lambda d: f"{d['mean']:.0f}/{d['median']:.0f}/{d['p99']:.0f}"
+        g = lambda d: f"{d['mean']:.1f}/{d['median']:.1f}/{d['p99']:.1f}"
+        print(f"{name:<10}{r['req_per_s']:>8.2f}{r['output_tok_per_s']:>10.0f}{r['total_tok_per_s']:>10.0f}"
+              f"{f(r['ttft_ms']):>24}{g(r['tpot_ms']):>22}{g(r['itl_ms']):>22}{r['mean_gap_us']:>8.1f}"
+              f"{r['idle_fraction']:>7.1%}")
+    if "peer" in RESULTS:
+        print("peer:", json.dumps(RESULTS["peer"])[:400])
+    for row in RESULTS.get("roofline", []):
+        print(f"roofline batch {row['batch']:>4}: step {row['step_ms']:.2f} ms vs ideal {row['roofline_ms']:.2f} ms "
+              f"({row['ratio']:.2f}x)")
+    if "greedy_match_triton_vs_torch" in RESULTS:
+        print("greedy match:", RESULTS["greedy_match_triton_vs_torch"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
