@@ -1,0 +1,32 @@
+"""Read an engine's load from its Prometheus text: the vLLM gauge names every router understands."""
+
+from __future__ import annotations
+
+from lockstep_gateway.routing import EngineLoad
+
+_GAUGES = {
+    "vllm:num_requests_running": "num_running",
+    "vllm:num_requests_waiting": "num_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+}
+
+
+def parse_engine_load(text: str) -> EngineLoad | None:
+    """Sum each gauge over its label sets (one per served model); None when the engine exports none."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        field = _GAUGES.get(name)
+        if field is None:
+            continue
+        rest = line.rsplit("}", 1)[1] if "{" in line else line.split(" ", 1)[1]
+        try:
+            value = float(rest.split()[0])  # an optional timestamp may follow the value
+        except (IndexError, ValueError):
+            continue
+        values[field] = values.get(field, 0.0) + value
+    if not values:
+        return None
+    return EngineLoad(**values)

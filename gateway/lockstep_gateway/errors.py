@@ -1,0 +1,46 @@
+"""OpenAI-shaped errors, `{"error": {"message", "type", "param", "code"}}`, as the engine server writes them."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+
+from starlette.responses import JSONResponse
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse(error_body(error.status, error.message, error.param), status_code=error.status,
+                        headers=headers)
+
+
+def sse_error_event(status: int, message: str) -> bytes:
+    """The event that ends a stream the gateway cannot finish, then `[DONE]` as the engine does."""
+    return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\ndata: [DONE]\n\n"

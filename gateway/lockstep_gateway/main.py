@@ -1,0 +1,133 @@
+"""`lockstep gateway`: the OpenAI-compatible endpoint in front of the engine groups."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from lockstep_gateway.config import ROUTING_POLICIES, ConfigError, GatewayConfig
+
+DEFAULTS = GatewayConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lockstep gateway", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULTS.host)
+    server.add_argument("--port", type=int, default=DEFAULTS.port)
+    server.add_argument("--log-level", default=DEFAULTS.log_level,
+                        choices=["critical", "error", "warning", "info", "debug"])
+    discovery = parser.add_argument_group("discovery (any combination)")
+    discovery.add_argument("--engine", action="append", default=[], metavar="URL",
+                           help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
+    discovery.add_argument("--config", dest="config_file", default=None, metavar="FILE",
+                           help='JSON/YAML file {"engines": [URL, ...]}, re-read when it changes')
+    discovery.add_argument("--kubernetes-namespace", action="append", default=[], metavar="NS",
+                           help="watch the EndpointSlices of LLMService leader Services in NS (repeatable)")
+    discovery.add_argument("--kubernetes-label-selector", default=DEFAULTS.kubernetes_label_selector)
+    discovery.add_argument("--kubeconfig", default=None,
+                           help="outside a pod: the kubeconfig to use (default $KUBECONFIG, ~/.kube/config)")
+    routing = parser.add_argument_group("routing")
+    routing.add_argument("--routing", default=DEFAULTS.routing, choices=ROUTING_POLICIES)
+    routing.add_argument("--session-header", default=DEFAULTS.session_header,
+                         help="requests with this header (else with the same 'user') stick to one engine")
+    routing.add_argument("--session-affinity", action=argparse.BooleanOptionalAction, default=DEFAULTS.session_affinity)
+    health = parser.add_argument_group("engine health and load")
+    health.add_argument("--health-check-interval", type=float, default=DEFAULTS.health_check_interval_s)
+    health.add_argument("--health-check-timeout", type=float, default=DEFAULTS.health_check_timeout_s)
+    health.add_argument("--unhealthy-threshold", type=int, default=DEFAULTS.unhealthy_threshold,
+                        help="timed-out checks in a row that eject an engine (refusals and 503 eject at once)")
+    health.add_argument("--healthy-threshold", type=int, default=DEFAULTS.healthy_threshold,
+                        help="passing checks in a row that readmit an engine")
+    health.add_argument("--metrics-interval", type=float, default=DEFAULTS.metrics_interval_s,
+                        help="seconds between scrapes of each engine's /metrics")
+    health.add_argument("--metrics-stale", type=float, default=DEFAULTS.metrics_stale_s,
+                        help="scraped load older than this is ignored")
+    health.add_argument("--saturation-queue-depth", type=int, default=DEFAULTS.saturation_queue_depth,
+                        help="an engine with this many waiting requests takes no more (0 = no limit)")
+    health.add_argument("--max-in-flight-per-engine", type=int, default=DEFAULTS.max_in_flight_per_engine,
+                        help="requests this gateway keeps open per engine (0 = no limit)")
+    upstream = parser.add_argument_group("upstream timeouts and retries")
+    upstream.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout_s)
+    upstream.add_argument("--first-byte-timeout", type=float, default=DEFAULTS.first_byte_timeout_s,
+                          help="seconds to the first byte of the engine's answer")
+    upstream.add_argument("--idle-timeout", type=float, default=DEFAULTS.idle_timeout_s,
+                          help="seconds a stream may go without a chunk")
+    upstream.add_argument("--max-retries", type=int, default=DEFAULTS.max_retries,
+                          help="other engines tried before the first byte")
+    upstream.add_argument("--retry-after", dest="retry_after_s", type=int, default=DEFAULTS.retry_after_s,
+                          help="Retry-After seconds on 503")
+    clients = parser.add_argument_group("clients")
+    clients.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
+                         help="keys, one per line, or a directory with one key per file (a mounted Secret); "
+                              "also $LOCKSTEP_API_KEYS (comma-separated). No keys: no authentication")
+    clients.add_argument("--rate-limit-rpm", type=int, default=0, help="requests per minute per key (0 = none)")
+    clients.add_argument("--rate-limit-tpm", type=int, default=0,
+                         help="tokens (prompt + completion) per minute per key (0 = none)")
+    clients.add_argument("--max-request-body-bytes", type=int, default=DEFAULTS.max_body_bytes)
+    clients.add_argument("--cors-allowed-origin", action="append", default=[], metavar="ORIGIN",
+                         help="allow browser calls from ORIGIN (repeatable); CORS is off by default")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        host=args.host, port=args.port, log_level=args.log_level,
+        engines=tuple(args.engine), config_file=args.config_file,
+        kubernetes_namespaces=tuple(args.kubernetes_namespace),
+        kubernetes_label_selector=args.kubernetes_label_selector, kubeconfig=args.kubeconfig,
+        routing=args.routing, session_header=args.session_header, session_affinity=args.session_affinity,
+        health_check_interval_s=args.health_check_interval, health_check_timeout_s=args.health_check_timeout,
+        unhealthy_threshold=args.unhealthy_threshold, healthy_threshold=args.healthy_threshold,
+        metrics_interval_s=args.metrics_interval, metrics_stale_s=args.metrics_stale,
+        saturation_queue_depth=args.saturation_queue_depth, max_in_flight_per_engine=args.max_in_flight_per_engine,
+        connect_timeout_s=args.connect_timeout, first_byte_timeout_s=args.first_byte_timeout,
+        idle_timeout_s=args.idle_timeout, max_retries=args.max_retries, retry_after_s=args.retry_after_s,
+        api_key_files=tuple(args.api_key_file), rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_request_body_bytes,
+        cors_allowed_origins=tuple(args.cors_allowed_origin),
+    )
+
+
+def parse_args(argv: list[str]) -> GatewayConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as error:
+        parser.error(str(error))
+    if not config.has_discovery:
+        parser.error("no engines: give --engine URL, --config FILE or --kubernetes-namespace NS")
+    return config
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="[lockstep gateway] %(levelname)s %(message)s",
+                        stream=sys.stderr)
+
+
+def uvicorn_config(app, config: GatewayConfig):
+    import uvicorn
+
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+                          timeout_keep_alive=30, backlog=4096,
+                          timeout_graceful_shutdown=5, loop="auto", http="auto")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from lockstep_gateway.app import build_app
+
+    config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    configure_logging(config.log_level)
+    server = uvicorn.Server(uvicorn_config(build_app(config), config))
+    logging.getLogger("lockstep.gateway").warning("listening on http://%s:%d", config.host, config.port)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
