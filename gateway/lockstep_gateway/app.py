@@ -154,12 +154,19 @@ class Gateway:
             served = self.registry.served_models()
             if len(served) == 1:
                 return served[0]  # as vLLM: the one served model is the default
+            if not known:
+                raise self._no_engine()
             raise GatewayError(400, "'model' is required: this gateway serves " + ", ".join(sorted(known)), "model")
         if not isinstance(model, str):
             raise GatewayError(400, "'model' must be a string", "model")
         if model not in known:
+            if self.registry.any_unprobed():
+                raise self._no_engine()
             raise GatewayError(404, f"the model {model!r} does not exist", "model")
         return model
+
+    def _no_engine(self) -> GatewayError:
+        return GatewayError(503, "no engine is available yet; retry later", retry_after=self.config.retry_after_s)
 
     # ---- local routes ---------------------------------------------------------------------------
     def models(self) -> dict:

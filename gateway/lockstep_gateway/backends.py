@@ -85,6 +85,10 @@ class Registry:
         """Every model an engine served since the gateway started: a down model is 503, not 404."""
         return set(self.seen_models)
 
+    def any_unprobed(self) -> bool:
+        """An engine that never passed a check may serve any model."""
+        return any(not b.models for b in self.backends.values())
+
     def served_models(self) -> list[str]:
         names: dict[str, None] = {}
         for backend in self.backends.values():

@@ -1,0 +1,255 @@
+"""Acceptance: engines dying (kill -9) or freezing (SIGSTOP) under live streams, failover before the
+first byte, saturation and clients going away. Real engines, real gateway processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+
+from conftest import MODEL, Engine, FakeEngine, free_port, wait_for
+
+LONG = 2000  # tokens: longer than any test waits for
+
+
+class Stream:
+    """One streamed completion read in the background: token events, the error event, when it ended."""
+
+    def __init__(self):
+        self.events = 0
+        self.error: dict | None = None
+        self.ended_at: float | None = None
+        self.done = False
+
+    async def run(self, client: httpx.AsyncClient, url: str, max_tokens: int = LONG, headers=None) -> None:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.error = event["error"]
+                        else:
+                            self.events += 1
+        finally:
+            self.ended_at = time.monotonic()
+
+
+async def poll(what: str, check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def complete(client: httpx.AsyncClient, url: str, headers=None) -> httpx.Response:
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2}
+    return await client.post(url + "/v1/completions", json=body, headers=headers)
+
+
+def ok_counts(gateway, engines) -> dict[str, float]:
+    return {e.url: gateway.metric("lockstep_gateway_upstream_requests_total", engine=e.url, outcome="ok")
+            for e in engines}
+
+
+def test_kill_9_mid_stream_errors_its_streams_fails_over_and_readmits_the_restarted_engine(engines, start_gateway,
+                                                                                              log_dir):
+    idle_timeout = 5.0
+    gateway = start_gateway(*[f"--engine={e.url}" for e in engines], f"--idle-timeout={idle_timeout}",
+                            expect_healthy={e.url for e in engines})
+    victim, survivor = engines
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as client:
+            streams = [Stream() for _ in range(8)]
+            tasks = [asyncio.create_task(s.run(client, gateway.url)) for s in streams]
+            await poll("every stream's first token", lambda: all(s.events for s in streams), 60)
+            on_victim = gateway.engines()[victim.url]["in_flight"]
+            assert on_victim >= 1
+            killed_at = time.monotonic()
+            victim.kill()
+            await poll("the victim's streams to end", lambda: sum(s.ended_at is not None for s in streams) >= on_victim,
+                       idle_timeout + 5)
+            ended = [s for s in streams if s.ended_at is not None]
+            assert len(ended) == on_victim
+            for stream in ended:
+                assert stream.error is not None and stream.error["code"] == 502, stream.error
+                assert stream.done and stream.ended_at - killed_at <= idle_timeout
+            assert all(s.error is None for s in streams if s.ended_at is None)  # the survivor's keep flowing
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+            before = ok_counts(gateway, engines)
+            responses = await asyncio.gather(*[complete(client, gateway.url) for _ in range(10)])
+            assert [r.status_code for r in responses] == [200] * 10
+            after = ok_counts(gateway, engines)
+            assert after[victim.url] == before[victim.url]
+            assert after[survivor.url] - before[survivor.url] == 10
+
+    asyncio.run(scenario())
+    assert gateway.metric("lockstep_gateway_stream_errors_total", reason="upstream_lost") >= 1
+    assert gateway.metric("lockstep_gateway_upstream_healthy", engine=victim.url) == 0
+
+    victim.start()  # the same port: a restarted pod behind the same address
+    victim.wait_healthy()
+    gateway.wait_engines({e.url for e in engines})
+    before = ok_counts(gateway, engines)
+
+    async def after_restart():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[complete(client, gateway.url) for _ in range(20)])
+
+    assert [r.status_code for r in asyncio.run(after_restart())] == [200] * 20
+    after = ok_counts(gateway, engines)
+    assert after[victim.url] - before[victim.url] >= 3, (before, after)
+
+
+def test_sigstop_engine_times_out_its_streams_and_the_gateway_stays_responsive(engines, start_gateway):
+    idle_timeout = 2.0
+    gateway = start_gateway(*[f"--engine={e.url}" for e in engines], f"--idle-timeout={idle_timeout}",
+                            "--first-byte-timeout=2", "--health-check-timeout=0.5",
+                            expect_healthy={e.url for e in engines})
+    frozen, survivor = engines
+    core_pids = [int(p) for p in _children(frozen)]
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as client:
+            streams = [Stream() for _ in range(6)]
+            tasks = [asyncio.create_task(s.run(client, gateway.url)) for s in streams]
+            await poll("every stream's first token", lambda: all(s.events for s in streams), 60)
+            on_frozen = gateway.engines()[frozen.url]["in_flight"]
+            assert on_frozen >= 1
+            stopped_at = time.monotonic()
+            _signal_all(frozen, core_pids, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                health = await client.get(gateway.url + "/health")
+                assert health.status_code == 200 and time.monotonic() - started < 1.0
+                responses = await asyncio.gather(*[complete(client, gateway.url) for _ in range(6)])
+                assert [r.status_code for r in responses] == [200] * 6
+                await poll("the frozen engine's streams to time out",
+                           lambda: sum(s.ended_at is not None for s in streams) >= on_frozen, idle_timeout + 5)
+                timed_out = [s for s in streams if s.ended_at is not None]
+                assert len(timed_out) == on_frozen
+                for stream in timed_out:
+                    assert stream.error["code"] == 504 and stream.ended_at - stopped_at <= idle_timeout + 1.5
+            finally:
+                _signal_all(frozen, core_pids, signal.SIGCONT)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+            return on_frozen
+
+    on_frozen = asyncio.run(scenario())
+    assert gateway.metric("lockstep_gateway_stream_errors_total", reason="idle_timeout") == on_frozen
+    gateway.wait_engines({e.url for e in engines}, timeout=30)  # readmitted once it runs again
+
+
+def _children(engine: Engine) -> list[str]:
+    import subprocess
+
+    return subprocess.run(["pgrep", "-P", str(engine.process.pid)], capture_output=True, text=True).stdout.split()
+
+
+def _signal_all(engine: Engine, pids: list[int], sig: int) -> None:
+    import os
+
+    engine.signal(sig)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_an_engine_that_never_answers_is_retried_on_another_before_the_first_byte(engines, start_gateway):
+    with FakeEngine([MODEL], behaviour="hang") as fake:
+        gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
+                                "--first-byte-timeout=1", expect_healthy={fake.url, engines[0].url})
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=30) as client:
+                return await asyncio.gather(*[complete(client, gateway.url) for _ in range(4)])
+
+        assert [r.status_code for r in asyncio.run(scenario())] == [200] * 4
+        assert fake.num_posts >= 1
+        assert gateway.metric("lockstep_gateway_retries_total", reason="first_byte_timeout") == fake.num_posts
+
+
+def test_an_engine_answering_503_is_retried_on_another(engines, start_gateway):
+    with FakeEngine([MODEL], behaviour="status:503") as fake:
+        gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
+                                expect_healthy={fake.url, engines[0].url})
+        responses = [httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": [1], "max_tokens": 1},
+                                timeout=30) for _ in range(4)]
+        assert [r.status_code for r in responses] == [200] * 4
+        assert fake.num_posts >= 1
+
+
+def test_503_with_retry_after_when_every_engine_is_down(start_gateway):
+    never_up = f"http://127.0.0.1:{free_port()}"
+    with FakeEngine([MODEL], behaviour="ok") as fake:
+        gateway = start_gateway(f"--engine={fake.url}", "--retry-after=7", expect_healthy={fake.url})
+    gateway.wait_engines(set())  # the fake is gone: ejected
+    response = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": [1]}, timeout=10)
+    assert response.status_code == 503 and response.headers["retry-after"] == "7"
+    assert response.json()["error"]["type"] == "ServiceUnavailableError"
+
+    # An engine never seen up might serve any model: 503, not 404, for a name nobody listed yet.
+    gateway = start_gateway(f"--engine={never_up}", "--retry-after=7")
+    response = httpx.post(gateway.url + "/v1/completions", json={"model": "any", "prompt": [1]}, timeout=10)
+    assert response.status_code == 503 and response.headers["retry-after"] == "7"
+
+
+def test_503_with_retry_after_when_the_models_engines_are_down_or_saturated(engines, start_gateway):
+    gateway = start_gateway(f"--engine={engines[0].url}", "--max-in-flight-per-engine=1", "--retry-after=3",
+                            expect_healthy={engines[0].url})
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as client:
+            holder = Stream()
+            task = asyncio.create_task(holder.run(client, gateway.url))
+            await poll("the first stream's first token", lambda: holder.events > 0, 60)
+            refused = await complete(client, gateway.url)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "3"
+    assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+    assert "saturated" in refused.json()["error"]["message"]
+
+
+def test_a_client_that_goes_away_frees_its_request_on_the_engine(engines, start_gateway):
+    engine = engines[1]
+    gateway = start_gateway(f"--engine={engine.url}", expect_healthy={engine.url})
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as client:
+            stream = Stream()
+            task = asyncio.create_task(stream.run(client, gateway.url))
+            await poll("the first token", lambda: stream.events > 0, 60)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    wait_for("the gateway to drop its upstream request", lambda: gateway.engines()[engine.url]["in_flight"] == 0, 10)
+    wait_for("the engine to abort it", lambda: _engine_gauge(engine, "vllm:num_requests_running") == 0, 10)
+
+
+def _engine_gauge(engine: Engine, name: str) -> float:
+    for line in httpx.get(engine.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
