@@ -8,7 +8,7 @@ import time
 
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.engine_core import CoreOutput, EngineCore
-from lockstep_engine.model_runner import ModelRunner
+from lockstep_engine.distributed import create_runner
 from lockstep_engine.output_processor import OutputProcessor, RequestState
 from lockstep_engine.outputs import CompletionOutput, RequestOutput
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
@@ -25,7 +25,7 @@ class LLMEngine:
             self.tokenizer = source.load_tokenizer() if source.load_tokenizer else None
             self.config = config.with_model_limits(source.config.max_position_embeddings)
             self.model_config = source.config
-            self.runner = ModelRunner(self.config, source)
+            self.runner = create_runner(self.config, source)
         else:
             other = share_model_with
             self.tokenizer, self.model_config, self.runner = other.tokenizer, other.model_config, other.runner

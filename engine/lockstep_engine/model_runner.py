@@ -120,6 +120,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_size = config.block_size
         self.num_blocks = self._count_kv_blocks()
+        if state.tp_size > 1:
+            # Every rank must hold the same block ids: agree on the smallest cache.
+            count = torch.tensor([self.num_blocks], dtype=torch.int64,
+                                 device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=state.tp_group)
+            self.num_blocks = int(count.item())
         self._allocate_kv_cache()
         self._last_mark = None
         self.graphs = None
