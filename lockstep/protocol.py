@@ -51,6 +51,10 @@ class CoreReady:
     num_scheduler_steps: Union[int, str]
     guided_decoding: bool  # a grammar library and a tokenizer are there for response_format
     device: str
+    model_config: dict[str, Any]  # the engine's ModelConfig fields (vocab, EOS ids, context length)
+    # The Hugging Face tokenizer the core loaded, pickled along (None: token ids only). Loading it
+    # once, in the core, spares the API server from parsing the model file a second time.
+    tokenizer: Any = None
 
 
 @dataclass
@@ -73,6 +77,7 @@ class SequenceOutput:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass

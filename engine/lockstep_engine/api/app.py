@@ -36,6 +36,7 @@ from lockstep_engine.api.openai_models import (
 )
 from lockstep_engine.api.serving import OpenAIServing
 from lockstep_engine.config import EngineConfig
+from lockstep_engine.model_config import ModelConfig
 from lockstep_engine.sources import log
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -75,27 +76,22 @@ class ServerState:
         self._loader = asyncio.create_task(self._load())
 
     async def _load(self) -> None:
-        from lockstep_engine.sources import resolve
-
-        config = self.engine_config
+        """The core resolves and loads the model, then sends its config and tokenizer over."""
         try:
-            source = await asyncio.to_thread(resolve, config.model, config.seed)
-            config = config.with_model_limits(source.config.max_position_embeddings)
-            # The core loads weights in its own process meanwhile; this process only needs the tokenizer.
-            tokenizer = await asyncio.to_thread(source.load_tokenizer) if source.load_tokenizer else None
-            client = EngineCoreClient(config, tokenizer, tuple(source.config.eos_token_ids),
-                                      self.settings.core_timeouts)
+            client = EngineCoreClient(self.engine_config, self.settings.core_timeouts)
             self.client = client
             await client.start()
             ready = await client.wait_ready()
+            model_config = ModelConfig(**ready.model_config)
+            config = self.engine_config.with_model_limits(model_config.max_position_embeddings)
         except Exception as error:  # a bad model source, a core that died while loading
             self.load_error = str(error)
             log(f"error: {error}")
             if self.on_fatal is not None:
                 self.on_fatal(str(error))
             return
-        self.serving = OpenAIServing(client, config, source.config, tokenizer, self.settings.served_model_names,
-                                     self.settings.request_idle_timeout_s)
+        self.serving = OpenAIServing(client, config, model_config, ready.tokenizer,
+                                     self.settings.served_model_names, self.settings.request_idle_timeout_s)
         self.collector = metrics.register_engine(client, self.settings.served_model_names[0])
         log(f"engine core ready (pid {ready.pid}, {ready.num_blocks} KV blocks of {ready.block_size}, "
             f"num_scheduler_steps={ready.num_scheduler_steps}, max_model_len={ready.max_model_len})")

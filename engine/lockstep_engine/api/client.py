@@ -69,11 +69,10 @@ class CoreTimeouts:
 
 
 class EngineCoreClient:
-    def __init__(self, config, tokenizer, eos_token_ids: tuple[int, ...], timeouts: CoreTimeouts | None = None):
-        self.config = config
-        self.tokenizer = tokenizer
+    def __init__(self, config, timeouts: CoreTimeouts | None = None):
+        self.config = config  # EngineConfig as given; the core resolves it against the model
         self.timeouts = timeouts or CoreTimeouts()
-        self.processor = OutputProcessor(tokenizer, eos_token_ids)
+        self.processor: OutputProcessor | None = None  # once the core sent the tokenizer
         self.ready: p.CoreReady | None = None
         self.stats = p.EngineStats()
         self.dead_reason: str | None = None
@@ -233,6 +232,8 @@ class EngineCoreClient:
                 generation.updated.set()
                 self.abort(generation)
         elif isinstance(message, p.CoreReady):
+            eos = tuple(message.model_config.get("eos_token_ids") or ())
+            self.processor = OutputProcessor(message.tokenizer, eos)
             self.ready = message
             self._loop_progress_at = time.monotonic()
             self._ready_event.set()
@@ -284,8 +285,7 @@ class EngineCoreClient:
             if generation.error is None:
                 generation.error = error
             generation.updated.set()
-            state = self.processor.states.get(rid)
+            state = self.processor.states.pop(rid, None)
             for seq in state.sequences if state is not None else []:
                 metrics.count_finished(seq.finish_reason or "error")
-            self.processor.remove(rid)
         self._generations.clear()

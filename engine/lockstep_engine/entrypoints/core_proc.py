@@ -171,7 +171,7 @@ def _to_protocol(output) -> p.SequenceOutput:
 
 
 def _build_core(config):
-    """Loads the model and returns (core, tokenizer-backed guided decoding available)."""
+    """Loads the model; returns the core, the tokenizer (or None) and whether guided decoding works."""
     from lockstep_engine import guided
     from lockstep_engine.engine_core import EngineCore
     from lockstep_engine.model_runner import ModelRunner
@@ -179,12 +179,12 @@ def _build_core(config):
 
     source = resolve(config.model, seed=config.seed)
     config = config.with_model_limits(source.config.max_position_embeddings)
+    tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     runner = ModelRunner(config, source)
-    has_guides = False
-    if source.load_tokenizer is not None and guided.is_available():
-        has_guides = guided.install(runner, source.load_tokenizer())
-        log("guided decoding: llguidance" if has_guides else "guided decoding: unavailable")
-    return EngineCore(config, runner), has_guides
+    has_guides = guided.install(runner, tokenizer)
+    if tokenizer is not None:
+        log("guided decoding: llguidance" if has_guides else "guided decoding: unavailable (pip install llguidance)")
+    return EngineCore(config, runner), tokenizer, has_guides
 
 
 def run_engine_core(config, requests_conn, outputs_conn) -> None:
@@ -195,7 +195,7 @@ def run_engine_core(config, requests_conn, outputs_conn) -> None:
     loop.writer = writer
     writer.start()
     try:
-        core, has_guides = _build_core(config)
+        core, tokenizer, has_guides = _build_core(config)
     except Exception as error:  # anything at load time: report it, the API server exits non-zero
         writer.send(p.CoreFailed(f"loading {config.model!r} failed: {error}"))
         writer.flush(5.0)
@@ -208,7 +208,8 @@ def run_engine_core(config, requests_conn, outputs_conn) -> None:
                             num_blocks=core.blocks.num_blocks, block_size=core.config.block_size,
                             vocab_size=runner.model_config.vocab_size,
                             num_scheduler_steps=core.config.num_scheduler_steps, guided_decoding=has_guides,
-                            device=str(runner.device)))
+                            device=str(runner.device), model_config=asdict(runner.model_config),
+                            tokenizer=tokenizer))
     try:
         loop.run()
     except Exception:

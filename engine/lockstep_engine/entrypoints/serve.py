@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             self.should_exit = True
 
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                               timeout_graceful_shutdown=max(int(settings.shutdown_grace_s), 1),
+                               timeout_graceful_shutdown=5,  # generation requests were drained already
                                access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
     server = DrainingServer(uv_config)
 
