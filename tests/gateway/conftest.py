@@ -195,7 +195,7 @@ class FakeEngine:
     """An OpenAI-shaped server that answers /health, /v1/models and /metrics like an engine and
     misbehaves on POST as told: `hang` (never answers), `status:503`, or `ok` (one SSE event + DONE)."""
 
-    def __init__(self, models: list[str], behaviour: str = "hang"):
+    def __init__(self, models: list[str], behaviour: str = "hang", host: str = "127.0.0.1"):
         self.models = models
         self.behaviour = behaviour
         self.num_posts = 0
@@ -238,9 +238,10 @@ class FakeEngine:
                     event = json.dumps({"model": fake.models[0], "choices": [{"index": 0, "text": "fake"}]})
                     self._send(200, f"data: {event}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.port = self.server.server_address[1]
+        self.url = f"http://{host}:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeEngine:

@@ -1,0 +1,220 @@
+"""Discovery: EndpointSlice parsing and watch folding on plain data, the watch loop's 410 handling
+against a scripted API, and the real thing against a real kube-apiserver + EndpointSlice controller."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import MODEL, FakeEngine, wait_for
+from lockstep_gateway.discovery import (
+    KubeAPI,
+    KubernetesDiscovery,
+    apply_event,
+    endpoint_union,
+    read_config_file,
+    slice_endpoints,
+)
+
+K8S_TESTS = Path(__file__).resolve().parents[1] / "k8s"
+
+
+def _slice(name: str, endpoints: list[dict], port: int = 8000, address_type: str = "IPv4") -> dict:
+    return {"metadata": {"name": name, "resourceVersion": "1"}, "addressType": address_type,
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}], "endpoints": endpoints}
+
+
+def test_only_ready_and_not_terminating_endpoints_are_engines():
+    endpoints = [
+        {"addresses": ["10.0.0.1"], "conditions": {"ready": True, "serving": True, "terminating": False}},
+        {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
+        {"addresses": ["10.0.0.3"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+        {"addresses": ["10.0.0.4"], "conditions": {}},  # nil ready means ready
+    ]
+    assert slice_endpoints(_slice("s", endpoints)) == ["http://10.0.0.1:8000", "http://10.0.0.4:8000"]
+    ipv6 = _slice("s6", [{"addresses": ["fd00::5"], "conditions": {"ready": True}}], address_type="IPv6")
+    assert slice_endpoints(ipv6) == ["http://[fd00::5]:8000"]
+    assert slice_endpoints(_slice("f", [{"addresses": ["x.example"]}], address_type="FQDN")) == []
+    assert slice_endpoints({**_slice("p", endpoints[:1]), "ports": None}) == []
+
+
+def test_watch_events_fold_into_the_endpoint_set():
+    slices: dict[str, list[str]] = {}
+    ready = [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}}]
+    assert apply_event(slices, {"type": "ADDED", "object": _slice("a", ready)}) == "1"
+    apply_event(slices, {"type": "ADDED", "object": _slice("b", ready, port=9000)})
+    assert endpoint_union(slices) == ["http://10.0.0.1:8000", "http://10.0.0.1:9000"]
+    apply_event(slices, {"type": "MODIFIED", "object": _slice("a", [])})
+    apply_event(slices, {"type": "DELETED", "object": _slice("b", ready, port=9000)})
+    assert endpoint_union(slices) == []
+
+
+def test_config_file_lists_engines(tmp_path):
+    path = tmp_path / "engines.json"
+    path.write_text(json.dumps({"engines": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]}))
+    assert read_config_file(str(path)) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    path.write_text(json.dumps({"engines": ["10.0.0.1:8000"]}))
+    with pytest.raises(ValueError, match="http"):
+        read_config_file(str(path))
+
+
+class ScriptedAPI:
+    """A stand-in API server for what a real one will not do on demand: expire a watch (410 Gone)."""
+
+    def __init__(self):
+        self.lists = 0
+        self.watches: list[str] = []
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                query = self.path.split("?", 1)[1]
+                if "watch=true" not in query:
+                    api.lists += 1
+                    ready = [{"addresses": [f"10.0.0.{api.lists}"], "conditions": {"ready": True}}]
+                    body = {"metadata": {"resourceVersion": str(100 * api.lists)}, "items": [_slice("a", ready)]}
+                    data = json.dumps(body).encode()
+                    self.send_response(200)
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                version = query.split("resourceVersion=")[1].split("&")[0]
+                api.watches.append(version)
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                if version == "100":  # the first watch: one bookmark, then the version is gone
+                    events = [{"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "150"}}}]
+                elif version == "150":
+                    events = [{"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}]
+                else:
+                    events = [{"type": "MODIFIED", "object": {**_slice("a", []), "metadata": {
+                        "name": "a", "resourceVersion": "201"}}}]
+                for event in events:
+                    self.wfile.write(json.dumps(event).encode() + b"\n")
+                self.wfile.flush()
+                self.close_connection = True
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_watch_resumes_from_bookmarks_and_lists_again_after_410():
+    api = ScriptedAPI()
+    published: list[list[str]] = []
+    discovery = KubernetesDiscovery(KubeAPI(api.url, False, "token", None), "ns", "a=b",
+                                    lambda source, urls: published.append(urls), retry_s=0.01)
+
+    async def run():
+        task = asyncio.create_task(discovery.run())
+        deadline = time.monotonic() + 10
+        while published[-1:] != [[]] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run())
+    api.server.shutdown()
+    assert api.watches[:3] == ["100", "150", "200"]  # resumed from the bookmark; relisted after the 410
+    assert api.lists == 2
+    assert published[:3] == [["http://10.0.0.1:8000"], ["http://10.0.0.2:8000"], []]
+
+
+# ---- a real API server --------------------------------------------------------------------------
+def _host_address() -> str | None:
+    """A non-loopback address of this machine: the API server refuses loopback endpoint addresses."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("10.254.254.254", 9))  # picks the default route's source address; no packet is sent
+            address = sock.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory):
+    sys.path.insert(0, str(K8S_TESTS))
+    try:
+        from k8s_harness import ControlPlane, binaries, kubectl_binary
+    finally:
+        sys.path.remove(str(K8S_TESTS))
+    try:
+        bins = binaries()
+    except RuntimeError as error:
+        pytest.skip(f"no Kubernetes control-plane binaries (make k8s-bins): {error}")
+    plane = ControlPlane(tmp_path_factory.mktemp("kube"), bins)
+    try:
+        plane.start()
+        plane.kubectl = kubectl_binary()
+        yield plane
+    finally:
+        plane.stop()
+
+
+def test_engines_are_discovered_from_endpointslices_of_a_real_api_server(control_plane, start_gateway):
+    address = _host_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address for pod IPs")
+    env = {"KUBECONFIG": str(control_plane.kubeconfig)}
+
+    def kubectl(*args: str, manifest: dict | None = None) -> str:
+        result = subprocess.run([control_plane.kubectl, "-n", "llm", *args], input=json.dumps(manifest) if manifest
+                                else None, capture_output=True, text=True, env=env, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    def pod_ready(ready: bool) -> None:
+        status = {"status": {"phase": "Running", "podIP": address, "podIPs": [{"ip": address}],
+                             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+        kubectl("patch", "pod", "svc-g0-0", "--subresource=status", "--type=merge", "-p", json.dumps(status))
+
+    with FakeEngine([MODEL], behaviour="ok", host=address) as fake:
+        subprocess.run([control_plane.kubectl, "create", "namespace", "llm"], env=env, check=True, capture_output=True)
+        # The EndpointSlice controller skips pods on nodes it does not know.
+        kubectl("apply", "-f", "-", manifest={"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}})
+        # What the operator builds: a leader Service labelled for LLMServices, selecting leader pods.
+        kubectl("apply", "-f", "-", manifest={
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "svc", "labels": {"app.kubernetes.io/component": "engine-leader",
+                                                   "serving.lockstep.dev/service": "svc"}},
+            "spec": {"selector": {"serving.lockstep.dev/service": "svc", "role": "leader"},
+                     "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}})
+        kubectl("apply", "-f", "-", manifest={
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "svc-g0-0", "labels": {"serving.lockstep.dev/service": "svc", "role": "leader"},
+                         "finalizers": ["test.lockstep.dev/hold"]},
+            "spec": {"nodeName": "node-1", "containers": [{"name": "engine", "image": "registry.invalid/engine:0",
+                                                           "ports": [{"name": "http", "containerPort": fake.port}]}]}})
+        gateway = start_gateway("--kubernetes-namespace=llm", f"--kubeconfig={control_plane.kubeconfig}")
+        pod_ready(True)
+        gateway.wait_engines({fake.url})
+        response = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+        assert response.status_code == 200 and fake.num_posts == 1
+
+        pod_ready(False)  # readiness probe failing: out of rotation
+        wait_for("the not-ready engine to leave", lambda: gateway.engines() == {}, timeout=30)
+        pod_ready(True)
+        gateway.wait_engines({fake.url})
+
+        kubectl("delete", "pod", "svc-g0-0", "--wait=false")  # held by the finalizer: terminating
+        wait_for("the terminating engine to leave", lambda: gateway.engines() == {}, timeout=30)
+        kubectl("patch", "pod", "svc-g0-0", "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
