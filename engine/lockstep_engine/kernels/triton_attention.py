@@ -42,24 +42,22 @@ _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                     NUM_KV_HEADS: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+                     stride_kt, stride_vt, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr, TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """TOKENS tokens per program; a token's [num_kv_heads, head_dim] row is contiguous in k/v and in the cache."""
+    offs_t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    t_mask = offs_t < num_tokens
+    slot = tl.load(slot_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    offs_h = tl.arange(0, HKV_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_h < NUM_KV_HEADS)[:, None]
-    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :],
-             k, mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :],
-             v, mask=mask)
+    offs_e = tl.arange(0, ROW_PAD)
+    mask = t_mask[:, None] & (offs_e < ROW)[None, :]
+    token = offs_t.to(tl.int64)
+    k = tl.load(k_ptr + token[:, None] * stride_kt + offs_e[None, :], mask=mask)
+    v = tl.load(v_ptr + token[:, None] * stride_vt + offs_e[None, :], mask=mask)
+    tl.store(k_cache_ptr + (block * stride_kcb + offset * stride_kcs)[:, None] + offs_e[None, :], k, mask=mask)
+    tl.store(v_cache_ptr + (block * stride_vcb + offset * stride_vcs)[:, None] + offs_e[None, :], v, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,13 +278,9 @@ class TritonPagedAttention:
 
     name = "triton"
 
-    # decode: keys per tile and the shortest chunk worth a split of its own
-    DECODE_BLOCK_N = 64
+    # decode: the shortest chunk worth a split of its own, and the most splits
     MIN_SPLIT_TOKENS = 256
     MAX_SPLITS = 64
-    # prefill: query rows (tokens x grouped heads) and keys per tile
-    PREFILL_BLOCK_M = 64
-    PREFILL_BLOCK_N = 64
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  decode_splits: int | None = None):
@@ -302,8 +296,16 @@ class TritonPagedAttention:
         self.scale = head_dim ** -0.5
         self.group = num_heads // num_kv_heads
         self.group_pad = max(16, triton.next_power_of_2(self.group))  # tl.dot needs M >= 16
-        self.prefill_block_m = max(self.PREFILL_BLOCK_M, triton.next_power_of_2(self.group))
-        self.prefill_block_q = self.prefill_block_m // self.group
+
+    def tiles(self, dtype: torch.dtype) -> dict:
+        """Tile shapes per dtype. bf16/fp16 dots run on tensor cores; fp32 (IEEE, no TF32) runs on FMA
+        units and holds twice the bytes per tile, so its tiles are halved to keep registers from spilling."""
+        wide = dtype != torch.float32
+        block_n = 64 if wide else 32
+        block_m = max(64 if wide else 32, triton.next_power_of_2(self.group))  # rows: tokens x grouped heads
+        return dict(decode_block_n=block_n, decode_warps=4 if wide else 8,
+                    prefill_block_n=block_n, prefill_block_m=block_m, prefill_block_q=block_m // self.group,
+                    prefill_warps=8 if (not wide or (self.head_dim >= 128 and block_m >= 128)) else 4)
 
     # ---- KV write ----
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -311,14 +313,14 @@ class TritonPagedAttention:
         tokens = k.shape[0]
         if tokens == 0:
             return
-        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-        _write_kv_kernel[(tokens,)](
-            k, v, k_cache, v_cache, slot_mapping,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            NUM_KV_HEADS=self.num_kv_heads, HKV_PAD=triton.next_power_of_2(self.num_kv_heads),
-            HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size, num_warps=1 if self.num_kv_heads * self.head_dim <= 256 else 4)
+        k, v = _rows_contiguous(k), _rows_contiguous(v)
+        row = self.num_kv_heads * self.head_dim
+        row_pad = triton.next_power_of_2(row)
+        per_program = max(1, min(16, 4096 // row_pad))
+        _write_kv_kernel[(triton.cdiv(tokens, per_program),)](
+            k, v, k_cache, v_cache, slot_mapping, tokens, k.stride(0), v.stride(0),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            ROW=row, ROW_PAD=row_pad, TOKENS=per_program, BLOCK_SIZE=self.block_size, num_warps=4)
 
     # ---- attention ----
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -361,7 +363,7 @@ class TritonPagedAttention:
             part_ml = torch.empty((seqs, self.num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
         else:
             part_acc = part_ml = out  # unused
-        block_n = self.DECODE_BLOCK_N
+        cfg = self.tiles(q.dtype)
         _decode_kernel[(seqs, self.num_kv_heads, num_splits)](
             q, k_cache, v_cache, table, meta.seq_lens, out, part_acc, part_ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.stride(0),
@@ -369,8 +371,8 @@ class TritonPagedAttention:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             self.scale * LOG2E, max_len, num_splits,
             NUM_HEADS=self.num_heads, GROUP=self.group, GROUP_PAD=self.group_pad, HEAD_DIM=self.head_dim,
-            BLOCK_SIZE=self.block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=4, num_stages=3)
+            BLOCK_SIZE=self.block_size, BLOCK_N=cfg["decode_block_n"], SPLIT=split,
+            DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg["decode_warps"], num_stages=3)
         if split:
             _decode_reduce_kernel[(seqs, self.num_heads)](
                 part_acc, part_ml, out, out.stride(0), out.stride(1), num_splits,
@@ -382,26 +384,27 @@ class TritonPagedAttention:
         num_seqs = meta.seq_lens.shape[0]
         table = meta.block_tables
         capacity = table.shape[1] * self.block_size
-        block_q = self.prefill_block_q
+        cfg = self.tiles(q.dtype)
+        block_q = cfg["prefill_block_q"]
         tiles = tokens // block_q + num_seqs  # upper bound on sum over sequences of cdiv(q_len, block_q)
-        big = self.head_dim >= 128 and self.prefill_block_m >= 128
         _prefill_kernel[(tiles, self.num_kv_heads)](
             q, k_cache, v_cache, table, meta.seq_lens, meta.query_start_loc, out,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             self.scale * LOG2E, num_seqs, capacity,
-            GROUP=self.group, BLOCK_M=self.prefill_block_m, BLOCK_Q=block_q, HEAD_DIM=self.head_dim,
-            BLOCK_SIZE=self.block_size, BLOCK_N=self.PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=8 if big else 4, num_stages=2)
+            GROUP=self.group, BLOCK_M=cfg["prefill_block_m"], BLOCK_Q=block_q, HEAD_DIM=self.head_dim,
+            BLOCK_SIZE=self.block_size, BLOCK_N=cfg["prefill_block_n"], DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg["prefill_warps"], num_stages=2)
 
     def _check(self, q, k_cache, v_cache) -> None:
         if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"triton attention: unsupported dtype {q.dtype}")
         if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
             raise TypeError(f"triton attention: cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
-        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-            raise ValueError("triton attention: the KV cache's head_dim must be contiguous")
+        for cache in (k_cache, v_cache):
+            if cache.stride(-1) != 1 or cache.stride(-2) != self.head_dim:
+                raise ValueError("triton attention: each cache slot's [num_kv_heads, head_dim] must be contiguous")
         if q.shape[-1] != self.head_dim or k_cache.shape[1] != self.block_size:
             raise ValueError(f"triton attention: built for head_dim={self.head_dim}, block_size={self.block_size}; "
                              f"got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
@@ -409,6 +412,11 @@ class TritonPagedAttention:
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, head_dim] with each token's heads x head_dim packed (token stride free)."""
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
