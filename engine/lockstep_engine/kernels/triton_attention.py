@@ -277,6 +277,7 @@ class TritonPagedAttention:
     """Paged decode (split-KV when rows are few) and varlen prefill kernels; drop-in for TorchPagedAttention."""
 
     name = "triton"
+    graph_safe = True  # decode launches no host syncs and sizes nothing from device values
 
     # decode: the shortest chunk worth a split of its own, and the most splits
     MIN_SPLIT_TOKENS = 256
