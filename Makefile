@@ -17,8 +17,9 @@ install: $(STAMP)
 model: install
 	$(PYTHON) -m lockstep.cli fetch $(MODEL)
 
+# The local stack: the gateway on $(PORT) and one engine group (N=8 decode steps per window).
 run: model
-	$(PYTHON) -m lockstep.cli serve $(MODEL) --port $(PORT)
+	$(PYTHON) -m lockstep.cli up $(MODEL) --port $(PORT) --replicas 1 --num-scheduler-steps 8
 
 test: install k8s-bins
 	$(PYTHON) -m pytest -q tests

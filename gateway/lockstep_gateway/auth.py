@@ -50,7 +50,7 @@ class KeyChecker:
     def check(self, authorization: str | None) -> str | None:
         """The key id for a valid `Bearer KEY` header, else None. Every key is compared, so the time
         taken does not tell which key (or which prefix) came close."""
-        if not authorization or not authorization[:7].lower() == "bearer ":
+        if not authorization or authorization[:7].lower() != "bearer ":
             return None
         given = authorization[7:].strip().encode()
         match = False

@@ -125,7 +125,7 @@ class Registry:
         self.seen_models.update(models)
         if not backend.healthy:
             backend.healthy = True
-            log.warning("engine %s admitted, serving %s", backend.url, list(models))
+            log.info("engine %s admitted, serving %s", backend.url, list(models))
             self.metrics.upstream_healthy.labels(backend.url).set(1)
 
     async def _check_loop(self, backend: Backend) -> None:

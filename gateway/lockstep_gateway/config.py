@@ -48,7 +48,7 @@ class GatewayConfig:
     rate_limit_tpm: int = 0
     max_body_bytes: int = 16 << 20
     cors_allowed_origins: tuple[str, ...] = ()
-    log_level: str = "warning"
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "--port", self.port, "0..65535")

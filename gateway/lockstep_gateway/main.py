@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=DEFAULTS.host)
     server.add_argument("--port", type=int, default=DEFAULTS.port)
-    server.add_argument("--log-level", default=DEFAULTS.log_level,
+    server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     discovery = parser.add_argument_group("discovery (any combination)")
     discovery.add_argument("--engine", action="append", default=[], metavar="URL",
@@ -106,12 +106,14 @@ def parse_args(argv: list[str]) -> GatewayConfig:
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="[lockstep gateway] %(levelname)s %(message)s",
                         stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
 
 
 def uvicorn_config(app, config: GatewayConfig):
     import uvicorn
 
-    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+    uvicorn_level = "warning" if config.log_level in ("info", "debug") else config.log_level
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=uvicorn_level, access_log=False,
                           timeout_keep_alive=30, backlog=4096,
                           timeout_graceful_shutdown=5, loop="auto", http="auto")
 
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(list(sys.argv[1:] if argv is None else argv))
     configure_logging(config.log_level)
     server = uvicorn.Server(uvicorn_config(build_app(config), config))
-    logging.getLogger("lockstep.gateway").warning("listening on http://%s:%d", config.host, config.port)
+    logging.getLogger("lockstep.gateway").info("listening on http://%s:%d", config.host, config.port)
     server.run()
     return 0 if server.started else 1
 

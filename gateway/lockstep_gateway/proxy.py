@@ -24,7 +24,7 @@ from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.errors import GatewayError, sse_error_event
 from lockstep_gateway.metrics import GatewayMetrics
 from lockstep_gateway.ratelimit import RateLimiter
-from lockstep_gateway.routing import HashRing, is_saturated, pick_least_load, pick_round_robin, session_key
+from lockstep_gateway.routing import HashRing, is_saturated, pick_least_load, pick_round_robin
 
 log = logging.getLogger("lockstep.gateway")
 RETRYABLE_STATUSES = (502, 503, 504)

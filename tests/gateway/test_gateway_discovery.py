@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import MODEL, FakeEngine, wait_for
 from lockstep_gateway.discovery import (
     KubeAPI,

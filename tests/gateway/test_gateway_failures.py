@@ -9,7 +9,6 @@ import signal
 import time
 
 import httpx
-
 from conftest import MODEL, Engine, FakeEngine, free_port, wait_for
 
 LONG = 2000  # tokens: longer than any test waits for
@@ -118,7 +117,7 @@ def test_sigstop_engine_times_out_its_streams_and_the_gateway_stays_responsive(e
     gateway = start_gateway(*[f"--engine={e.url}" for e in engines], f"--idle-timeout={idle_timeout}",
                             "--first-byte-timeout=2", "--health-check-timeout=0.5",
                             expect_healthy={e.url for e in engines})
-    frozen, survivor = engines
+    frozen = engines[0]
     core_pids = [int(p) for p in _children(frozen)]
 
     async def scenario():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from lockstep_gateway.auth import KeyChecker, key_id, load_keys
 from lockstep_gateway.config import ConfigError, GatewayConfig
 from lockstep_gateway.main import parse_args

@@ -7,7 +7,6 @@ import json
 import time
 
 import httpx
-
 from conftest import MODEL
 
 NUM_STREAMS = 200

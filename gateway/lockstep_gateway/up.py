@@ -1,0 +1,260 @@
+"""`lockstep up MODEL`: the local stack — the gateway on :8000 and R engine groups as child processes.
+
+Every option `up` does not know itself goes to each `lockstep serve` unchanged (vLLM's flag names:
+`--num-scheduler-steps`, `--tensor-parallel-size`, `--max-model-len`, ...). Engines listen on free
+ports of 127.0.0.1; their output is shown prefixed with `[engine i]`, so model loading progress is
+visible. The gateway answers 503 until an engine is ready. An engine that dies after it was ready is
+started again on the same port; one that dies while loading stops the stack with its exit code.
+
+Ctrl-C or SIGTERM stops everything: the gateway closes, every engine gets SIGTERM (it drains), and
+after `--shutdown-timeout` its whole process group gets SIGKILL; a second Ctrl-C kills at once.
+Engines run in their own process groups with a parent-death signal, so none outlives `up`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+
+import httpx
+
+from lockstep_gateway.config import ROUTING_POLICIES, GatewayConfig
+
+PR_SET_PDEATHSIG = 1
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lockstep up", description=__doc__.split("\n")[0],
+        epilog="Other options (e.g. --num-scheduler-steps 8 --tensor-parallel-size 2 --max-model-len 4096) are "
+               "passed to every `lockstep serve`.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("model", help="smollm2, random:<shape>, a .gguf file or a Hugging Face directory")
+    parser.add_argument("--replicas", type=int, default=1, help="engine groups")
+    parser.add_argument("--host", default="127.0.0.1", help="the gateway's address")
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    parser.add_argument("--routing", default="least-load", choices=ROUTING_POLICIES)
+    parser.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
+                        help="require these keys at the gateway (see `lockstep gateway --help`)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds engines get to drain on shutdown before they are killed")
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = build_parser()
+    args, engine_args = parser.parse_known_args(argv)
+    if args.replicas < 1:
+        parser.error(f"--replicas={args.replicas} is out of range: allowed >= 1")
+    for flag in ("--host", "--port"):
+        if any(a == flag or a.startswith(flag + "=") for a in engine_args):
+            parser.error(f"{flag} belongs to the gateway here; engines listen on free ports of 127.0.0.1")
+    return args, engine_args
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when `up` dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def say(message: str) -> None:
+    print(f"[lockstep up] {message}", file=sys.stderr, flush=True)
+
+
+class EngineProcess:
+    """One engine group's leader: `lockstep serve` on a fixed port, restarted on the same port."""
+
+    def __init__(self, index: int, model: str, engine_args: list[str]):
+        self.index = index
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "lockstep.cli", "serve", model, "--host", "127.0.0.1",
+                     "--port", str(self.port), *engine_args]
+        self.process: asyncio.subprocess.Process | None = None
+        self.ready = False
+        self.was_ready = False
+        self.restarts = 0
+        self._output: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.ready = False
+        self.process = await asyncio.create_subprocess_exec(
+            *self.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent)
+        self._output = asyncio.create_task(self._relay_output())
+
+    async def _relay_output(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        prefix = f"[engine {self.index}] ".encode()
+        async for line in self.process.stdout:
+            sys.stderr.buffer.write(prefix + line)
+            sys.stderr.flush()
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    def terminate(self) -> None:
+        """SIGTERM to the API server only: it drains, then stops its own engine core in order."""
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+
+    def kill_group(self) -> None:
+        """SIGKILL to the engine's whole process group: its engine core (and TP ranks) too."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        assert self.process is not None
+        code = await self.process.wait()
+        if self._output is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._output, 5)
+        return code
+
+
+class Stack:
+    def __init__(self, args: argparse.Namespace, engine_args: list[str]):
+        self.args = args
+        self.engines = [EngineProcess(i, args.model, engine_args) for i in range(args.replicas)]
+        self.stopping = asyncio.Event()
+        self.exit_code = 0
+        self.server = None
+
+    async def run(self) -> int:
+        import uvicorn
+
+        from lockstep_gateway.app import build_app
+        from lockstep_gateway.main import configure_logging, uvicorn_config
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        config = GatewayConfig(host=self.args.host, port=self.args.port, routing=self.args.routing,
+                               engines=tuple(e.url for e in self.engines), api_key_files=tuple(self.args.api_key_file),
+                               health_check_interval_s=0.5)
+        configure_logging("warning")
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # `up` handles the signals for the whole stack
+                yield
+
+        self.server = Server(uvicorn_config(build_app(config), config))
+        say(f"starting {len(self.engines)} engine(s) for {self.args.model!r}; gateway on "
+            f"http://{self.args.host}:{self.args.port}")
+        for engine in self.engines:
+            await engine.start()
+        gateway = asyncio.create_task(self.server.serve())
+        supervisors = [asyncio.create_task(self._supervise(e)) for e in self.engines]
+        progress = asyncio.create_task(self._progress())
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait([gateway, stop], return_when=asyncio.FIRST_COMPLETED)
+        if gateway.done() and not self.stopping.is_set():
+            say(f"the gateway could not serve on {self.args.host}:{self.args.port} (is the port taken?)")
+            self.exit_code = 1
+        for task in (progress, *supervisors):
+            task.cancel()
+        await self._shutdown(gateway)
+        return self.exit_code
+
+    def _on_signal(self, sig: int) -> None:
+        if self.stopping.is_set():
+            say("second signal: killing the engines now")
+            for engine in self.engines:
+                engine.kill_group()
+            return
+        say(f"{signal.Signals(sig).name}: shutting down")
+        self.stopping.set()
+
+    async def _supervise(self, engine: EngineProcess) -> None:
+        while True:
+            code = await engine.wait()
+            if self.stopping.is_set():
+                return
+            if not engine.was_ready:
+                say(f"engine {engine.index} exited with code {code} while loading; stopping")
+                self.exit_code = code or 1
+                self.stopping.set()
+                return
+            delay = RESTART_BACKOFF_S[min(engine.restarts, len(RESTART_BACKOFF_S) - 1)]
+            say(f"engine {engine.index} exited with code {code}; restarting it in {delay:g}s")
+            engine.restarts += 1
+            await asyncio.sleep(delay)
+            if self.stopping.is_set():
+                return
+            await engine.start()
+
+    async def _progress(self) -> None:
+        """Print who is ready as it changes, and a heartbeat line while models load."""
+        started = time.monotonic()
+        last_note = started
+        announced = False
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                for engine in self.engines:
+                    ready = False
+                    if engine.running:
+                        with contextlib.suppress(httpx.HTTPError):
+                            ready = (await client.get(engine.url + "/health")).status_code == 200
+                    if ready and not engine.ready:
+                        engine.was_ready = True
+                        say(f"engine {engine.index} ready on {engine.url} ({time.monotonic() - started:.0f}s)")
+                    engine.ready = ready
+                num_ready = sum(e.ready for e in self.engines)
+                if num_ready == len(self.engines) and not announced:
+                    announced = True
+                    say(f"ready: OpenAI API at http://{self.args.host}:{self.args.port}/v1 "
+                        f"(model {self.args.model!r}, {num_ready} engine(s)); Ctrl-C stops")
+                elif num_ready < len(self.engines) and time.monotonic() - last_note >= 10:
+                    last_note = time.monotonic()
+                    say(f"{num_ready}/{len(self.engines)} engine(s) ready after {last_note - started:.0f}s; "
+                        "loading...")
+                await asyncio.sleep(0.5)
+
+    async def _shutdown(self, gateway: asyncio.Task) -> None:
+        """The gateway first (no new requests reach a draining engine), then the engines."""
+        assert self.server is not None
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(gateway, 10)
+        for engine in self.engines:
+            engine.terminate()
+        waits = [asyncio.create_task(e.wait()) for e in self.engines if e.process is not None]
+        _, pending = await asyncio.wait(waits, timeout=self.args.shutdown_timeout) if waits else (set(), set())
+        if pending:
+            say(f"{len(pending)} engine(s) still running after {self.args.shutdown_timeout:g}s: killing them")
+        for engine in self.engines:
+            engine.kill_group()  # an engine core left behind by its API server goes too
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+        say("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, engine_args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    return asyncio.run(Stack(args, engine_args).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

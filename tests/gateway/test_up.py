@@ -1,0 +1,61 @@
+"""`lockstep up`: the local stack as real processes — gateway + engines, progress, clean Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import httpx
+from conftest import ENGINE_START_TIMEOUT_S, MODEL, REPO, free_port, wait_for
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        children = subprocess.run(["pgrep", "-P", str(frontier.pop())], capture_output=True, text=True).stdout.split()
+        for child in map(int, children):
+            if child not in found:
+                found.add(child)
+                frontier.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_serves_through_the_gateway_and_ctrl_c_leaves_no_process_behind(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "up", MODEL, "--replicas", "2", "--port", str(port),
+                               "--kv-cache-memory-bytes", str(64 << 20), "--num-scheduler-steps", "4"],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                              env={**__import__("os").environ, "LOCKSTEP_CPU_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            assert up.poll() is None, log_path.read_text()
+            return httpx.get(url + "/health", timeout=2).json()["healthy_engines"] == 2
+
+        wait_for("both engines behind the gateway", ready, timeout=ENGINE_START_TIMEOUT_S, interval=0.2)
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
+        assert response.status_code == 200 and response.json()["model"] == MODEL
+        processes = _descendants(up.pid)
+        assert len(processes) >= 4  # two API servers and their engine cores
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        wait_for("every engine process to exit", lambda: not any(_alive(p) for p in processes), timeout=15)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    output = log_path.read_text()
+    assert "[engine 0] [lockstep] loading weights" in output and "[engine 1]" in output
+    assert "ready: OpenAI API at" in output and "stopped" in output
