@@ -108,6 +108,19 @@ class EngineStats:
 
 
 @dataclass
+class CoreMetrics:
+    """Cumulative step-timing and scheduler metrics of the core (built and rendered by lockstep_engine.metrics).
+
+    Keyed by metric name, then by label values (after `model_name`, which the API server adds); a
+    histogram's value is (per-bucket counts with +Inf last, sum). Cumulative, so only the latest counts.
+    """
+
+    counters: dict[str, dict[tuple[str, ...], float]]
+    histograms: dict[str, dict[tuple[str, ...], tuple[list[int], float]]]
+    taken_at: float  # time.monotonic() in the core
+
+
+@dataclass
 class Heartbeat:
     sent_at: float
     loop_progress_at: float  # last time the core loop finished a step or an idle wait
@@ -122,4 +135,4 @@ class CoreFailed:
 
 
 ToCore = Union[AddRequest, AbortRequests, StopSequence, Shutdown]
-FromCore = Union[CoreReady, StepOutputs, RequestFailed, EngineStats, Heartbeat, CoreFailed]
+FromCore = Union[CoreReady, StepOutputs, RequestFailed, EngineStats, CoreMetrics, Heartbeat, CoreFailed]

@@ -48,6 +48,8 @@ class CoreStats:
     decode_step_s: list[float] = field(default_factory=list)  # steps 2..N of windows: pure decode
     window_steps: list[int] = field(default_factory=list)
     step_batch_sizes: list[int] = field(default_factory=list)
+    first_step_tokens: list[int] = field(default_factory=list)  # tokens fed to each window's first forward
+    queue_times_s: list[float] = field(default_factory=list)  # arrival -> first scheduled, once per request
 
 
 class EngineCore:
@@ -144,6 +146,9 @@ class EngineCore:
         for row in plan.rows:
             if row.seq.first_scheduled_time is None:
                 row.seq.first_scheduled_time = now
+                if row.seq.index == 0:  # forked samples inherit the request's wait
+                    self.stats.queue_times_s.append(now - row.seq.request.arrival_time)
+        self.stats.first_step_tokens.append(sum(row.num_new_tokens for row in plan.rows))
         sampling = plan.sampling_rows
         accepted = [0] * len(sampling)
 

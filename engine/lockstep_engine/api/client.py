@@ -75,6 +75,7 @@ class EngineCoreClient:
         self.processor: OutputProcessor | None = None  # once the core sent the tokenizer
         self.ready: p.CoreReady | None = None
         self.stats = p.EngineStats()
+        self.core_metrics: p.CoreMetrics | None = None  # the core's latest step-timing snapshot
         self.dead_reason: str | None = None
         self._generations: dict[str, Generation] = {}
         self._ids = itertools.count()
@@ -169,6 +170,7 @@ class EngineCoreClient:
         now = time.monotonic()
         for rid, ids in zip(request_ids, prompts):
             self._generations[rid] = generation
+            metrics.request_started(rid, now, len(ids))
             self._send(p.AddRequest(rid, list(ids), sampling, now))
         return generation
 
@@ -189,8 +191,7 @@ class EngineCoreClient:
         for rid, state in zip(generation.request_ids, generation.states):
             if self._generations.pop(rid, None) is None:
                 continue
-            for seq in state.sequences:
-                metrics.count_finished(seq.finish_reason or "abort")
+            metrics.request_finished(rid, state, "abort")
             self.processor.remove(rid)
 
     def _send(self, message) -> None:
@@ -222,6 +223,8 @@ class EngineCoreClient:
             metrics.observe_detokenize(time.perf_counter() - started)
         elif isinstance(message, p.EngineStats):
             self.stats = message
+        elif isinstance(message, p.CoreMetrics):
+            self.core_metrics = message
         elif isinstance(message, p.Heartbeat):
             self._loop_progress_at = max(self._loop_progress_at, message.loop_progress_at)
             self.stats = message.stats if self.ready is not None else self.stats
@@ -253,6 +256,8 @@ class EngineCoreClient:
                 generation.updated.set()
                 self.abort(generation)
                 continue
+            if state is not None:
+                metrics.tokens_received(output.request_id, output.index, len(state.sequences[output.index].token_ids))
             if stop is not None:
                 self._send(p.StopSequence(output.request_id, output.index, stop))
             generation.last_emitted_at = message.emitted_at
@@ -286,6 +291,5 @@ class EngineCoreClient:
                 generation.error = error
             generation.updated.set()
             state = self.processor.states.pop(rid, None)
-            for seq in state.sequences if state is not None else []:
-                metrics.count_finished(seq.finish_reason or "error")
+            metrics.request_finished(rid, state, "error")
         self._generations.clear()

@@ -19,9 +19,11 @@ import traceback
 from dataclasses import asdict
 
 from lockstep import protocol as p
+from lockstep_engine.metrics import CoreMetrics
 
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.5
+METRICS_INTERVAL_S = 0.05  # step-timing snapshots while busy (cumulative: the API keeps the latest)
 
 
 class _Writer(threading.Thread):
@@ -82,6 +84,8 @@ class CoreLoop:
         self.reader = reader
         self.progress_at = time.monotonic()
         self.stats_snapshot = p.EngineStats()
+        self.metrics = CoreMetrics()
+        self._metrics_sent_at = 0.0
         self._seed_rng = random.Random(seed)
         self._deferred: list[p.AddRequest] = []
         self._stopping = False
@@ -147,6 +151,10 @@ class CoreLoop:
         if snapshot != self.stats_snapshot:
             self.stats_snapshot = snapshot
             self.writer.send(snapshot)
+        now = time.monotonic()
+        if self.metrics.changed and (not core.has_unfinished() or now - self._metrics_sent_at >= METRICS_INTERVAL_S):
+            self._metrics_sent_at = now
+            self.writer.send(self.metrics.snapshot(core))
 
     def run(self) -> None:
         while not self._stopping:
@@ -158,7 +166,9 @@ class CoreLoop:
             if self._stopping:
                 break
             if self.core.has_unfinished():
-                self.core.step(self._emit)
+                timings = self.core.step(self._emit)
+                if timings is not None:
+                    self.metrics.record_window(self.core, timings)
             self._publish_stats()
 
 

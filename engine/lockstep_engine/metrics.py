@@ -1,0 +1,333 @@
+"""Engine metrics: step timing from `CoreStats`, request latencies from the token stream, one collector.
+
+Two halves, one per process of `lockstep serve`:
+* `CoreMetrics` lives in the engine-core process. After each window it turns the `CoreStats` deltas
+  and the window's `WindowTimings` into cumulative histogram buckets and counters (plain Python: a
+  bisect and an add per observation, nothing on the device), and `snapshot()` packs them into a
+  `lockstep.protocol.CoreMetrics` message. Snapshots are cumulative, so the API server only keeps the
+  latest and a coalesced or late one loses nothing.
+* `ServerMetrics` lives in the API-server process, where requests arrive and tokens are counted the
+  way `usage` counts them. It observes TTFT, per-token ITL, e2e latency and lengths, and is the one
+  Prometheus collector of the engine: at scrape time it renders its own state, the latest core
+  snapshot and the scheduler gauges (`lockstep_*` plus vLLM's routing names).
+
+Names, labels and buckets come from `lockstep.metrics_names` (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from lockstep import metrics_names as n
+from lockstep import protocol as p
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kind: str  # counter | histogram
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+# Label `model_name` comes first on every engine series; the labels below follow it.
+CORE_SPECS = {s.name: s for s in (
+    Spec(n.STEP_GAP, "histogram", "Idle time of the device between the end of one forward and the start of the "
+         "next (CUDA events on GPU, host clock on CPU); boundary=window_start: before a window's first step, "
+         "intra: between steps of a window. The first step after idle has no gap.", ("phase", "boundary"),
+         n.GAP_BUCKETS),
+    Spec(n.GPU_IDLE, "counter", "Sum of lockstep_step_gap_seconds: device idle time between back-to-back forwards",
+         ("phase",)),
+    Spec(n.GPU_BUSY, "counter", "Device time spent in forwards (forward + sample), summed over steps", ("phase",)),
+    Spec(n.STEP_DURATION, "histogram", "Device time of one forward (forward + sample)", ("phase",),
+         n.STEP_DURATION_BUCKETS),
+    Spec(n.STEPS, "counter", "Forwards executed; boundary=window_start for each window's first", ("phase", "boundary")),
+    Spec(n.STEP_TOKENS, "histogram", "Tokens one forward computed (prompt chunks + one per decoding sequence)",
+         ("phase",), n.STEP_TOKENS_BUCKETS),
+    Spec(n.WINDOW_STEPS, "histogram", "Steps a multi-step window executed", (), n.WINDOW_STEPS_BUCKETS),
+    Spec(n.HOST_PHASE, "histogram", "Host time of one phase of the serving loop: schedule, prepare, pythonize "
+         "(step outputs to messages) and update once per window in the engine core; detokenize and output_ipc "
+         "(core -> API server) once per step message in the API server", ("phase",), n.HOST_PHASE_BUCKETS),
+    Spec(n.WASTED_TOKENS, "counter", "Tokens computed past a stop inside a window (the price of multi-step decode)"),
+    Spec(n.QUEUE_TIME, "histogram", "Request arrival -> first scheduled", (), n.QUEUE_TIME_BUCKETS),
+    Spec(n.PREEMPTIONS, "counter", "Sequences preempted (KV blocks freed, recomputed later)"),
+    Spec(n.PREFIX_CACHE_QUERIES, "counter", "Prompt tokens looked up in the prefix cache"),
+    Spec(n.PREFIX_CACHE_HITS, "counter", "Prompt tokens found in the prefix cache"),
+)}
+
+
+class Buckets:
+    """A classic histogram's state: per-bucket (not cumulative) counts, the last one +Inf, and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le semantics: value <= bound
+        self.sum += value
+
+    def state(self) -> tuple[list[int], float]:
+        return list(self.counts), self.sum
+
+
+class _Series:
+    """Histograms and counters keyed by (name, label values)."""
+
+    def __init__(self, specs: dict[str, Spec]):
+        self.specs = specs
+        self.histograms: dict[str, dict[tuple[str, ...], Buckets]] = {}
+        self.counters: dict[str, dict[tuple[str, ...], float]] = {}
+
+    def observe(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        series = self.histograms.setdefault(name, {})
+        buckets = series.get(labels)
+        if buckets is None:
+            buckets = series[labels] = Buckets(self.specs[name].buckets)
+        buckets.observe(value)
+
+    def inc(self, name: str, labels: tuple[str, ...], amount: float) -> None:
+        series = self.counters.setdefault(name, {})
+        series[labels] = series.get(labels, 0.0) + amount
+
+
+# ---- engine-core process --------------------------------------------------------------------
+class CoreMetrics:
+    """Step timing and scheduler counters of one `EngineCore`, fed once per window."""
+
+    def __init__(self):
+        self.series = _Series(CORE_SPECS)
+        self._prompt_tokens = 0
+        self._wasted = 0
+        self._schedule_s = 0.0
+        self._update_s = 0.0
+        self.changed = False
+
+    def record_window(self, core, timings) -> None:
+        """Consumes the window `core.step` just ran: its `WindowTimings` and the `CoreStats` deltas.
+
+        The per-step lists of `CoreStats` are emptied here, so a long-running server's memory stays flat.
+        """
+        stats, s = core.stats, self.series
+        prompt_delta = stats.num_prompt_tokens_computed - self._prompt_tokens
+        first = "prefill" if prompt_delta > 0 else "decode"
+        forwards = timings.forward_s
+        for k, seconds in enumerate(forwards):
+            phase = first if k == 0 else "decode"
+            s.observe(n.STEP_DURATION, (phase,), seconds)
+            s.inc(n.GPU_BUSY, (phase,), seconds)
+            s.inc(n.STEPS, (phase, "window_start" if k == 0 else "intra"), 1)
+        if timings.boundary_gap_s is not None:
+            self._gap(first, "window_start", timings.boundary_gap_s)
+        for gap in timings.gaps_s:
+            self._gap("decode", "intra", gap)
+        for tokens in stats.first_step_tokens:
+            s.observe(n.STEP_TOKENS, (first,), tokens)
+        # step_batch_sizes has one entry per delivered step; the first step's tokens are counted above.
+        for batch in stats.step_batch_sizes[1:]:
+            s.observe(n.STEP_TOKENS, ("decode",), batch)
+        if forwards:
+            s.observe(n.WINDOW_STEPS, (), len(forwards))
+        for seconds in stats.queue_times_s:
+            s.observe(n.QUEUE_TIME, (), max(seconds, 0.0))
+        for phase, seconds in (("schedule", stats.schedule_s - self._schedule_s), ("prepare", timings.prepare_s),
+                               ("pythonize", timings.output_s), ("update", stats.update_s - self._update_s)):
+            s.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
+        s.inc(n.WASTED_TOKENS, (), stats.num_wasted_tokens - self._wasted)
+        self._prompt_tokens, self._wasted = stats.num_prompt_tokens_computed, stats.num_wasted_tokens
+        self._schedule_s, self._update_s = stats.schedule_s, stats.update_s
+        for values in (stats.gaps_s, stats.boundary_gaps_s, stats.decode_step_s, stats.window_steps,
+                       stats.step_batch_sizes, stats.first_step_tokens, stats.queue_times_s):
+            values.clear()
+        self.changed = True
+
+    def _gap(self, phase: str, boundary: str, seconds: float) -> None:
+        seconds = max(seconds, 0.0)  # CUDA event pairs can read a hair below zero when adjacent
+        self.series.observe(n.STEP_GAP, (phase, boundary), seconds)
+        self.series.inc(n.GPU_IDLE, (phase,), seconds)
+
+    def snapshot(self, core) -> p.CoreMetrics:
+        s = self.series
+        counters = {name: dict(values) for name, values in s.counters.items()}
+        counters[n.PREEMPTIONS] = {(): float(core.scheduler.num_preemptions)}
+        counters[n.PREFIX_CACHE_QUERIES] = {(): float(core.blocks.prefix_cache_queries)}
+        counters[n.PREFIX_CACHE_HITS] = {(): float(core.blocks.prefix_cache_hits)}
+        histograms = {name: {labels: b.state() for labels, b in values.items()}
+                      for name, values in s.histograms.items()}
+        self.changed = False
+        return p.CoreMetrics(counters=counters, histograms=histograms, taken_at=time.monotonic())
+
+
+# ---- API-server process ---------------------------------------------------------------------
+def _request_specs(max_model_len: int) -> dict[str, Spec]:
+    lengths = n.token_buckets(max_model_len)
+    return {s.name: s for s in (
+        Spec(n.TTFT, "histogram", "Request arrival at the API server -> its first token there", (), n.TTFT_BUCKETS),
+        Spec(n.ITL, "histogram", "Time between tokens of one sample, per token: an interval that brought k tokens "
+             "counts k times interval/k", (), n.ITL_BUCKETS),
+        Spec(n.E2E_LATENCY, "histogram", "Request arrival -> its last token (or abort)", (), n.REQUEST_LATENCY_BUCKETS),
+        Spec(n.REQUEST_PROMPT_TOKENS, "histogram", "Prompt length of finished requests", (), lengths),
+        Spec(n.REQUEST_GENERATION_TOKENS, "histogram", "Tokens generated per finished request (all samples)", (),
+             lengths),
+        Spec(n.PROMPT_TOKENS, "counter", "Prompt tokens of requests that got their first token (as usage counts)"),
+        Spec(n.GENERATION_TOKENS, "counter", "Tokens generated and returned (as usage counts them)"),
+        Spec(n.REQUESTS_FINISHED, "counter", "Samples (choices) that ended, by how: stop, length, abort (client gone "
+             "or shutdown) or error (engine core lost)", ("reason",)),
+    )}
+
+
+@dataclass
+class _Tracked:
+    arrival: float
+    prompt_len: int
+    first_token_at: float | None = None
+    last_token_at: dict[int, float] = field(default_factory=dict)  # per sample index
+    num_tokens: dict[int, int] = field(default_factory=dict)  # per sample index, as counted so far
+
+
+class ServerMetrics:
+    """The engine server's collector: request metrics observed here, the core's from its snapshots."""
+
+    def __init__(self, model_name: str = "", max_model_len: int = 2048):
+        self.model_name = model_name
+        self.specs = {**CORE_SPECS, **_request_specs(max_model_len)}
+        self.series = _Series(self.specs)
+        self.ready: p.CoreReady | None = None
+        self.enable_prefix_caching = True
+        self._stats: Callable[[], p.EngineStats | None] = lambda: None
+        self._core: Callable[[], p.CoreMetrics | None] = lambda: None
+        self._requests: dict[str, _Tracked] = {}
+
+    def attach(self, model_name: str, ready: p.CoreReady, enable_prefix_caching: bool,
+               stats: Callable[[], p.EngineStats | None], core: Callable[[], p.CoreMetrics | None]) -> None:
+        """Called once the core is ready: names the model, fixes the length buckets, and says where the
+        scheduler gauges (`stats`) and the core's latest snapshot (`core`) are read at scrape time."""
+        self.model_name, self.ready, self.enable_prefix_caching = model_name, ready, enable_prefix_caching
+        self._stats, self._core = stats, core
+        self.specs.update(_request_specs(ready.max_model_len))
+        for name in (n.REQUEST_PROMPT_TOKENS, n.REQUEST_GENERATION_TOKENS):
+            self.series.histograms.pop(name, None)
+
+    def detach(self) -> None:
+        self._stats, self._core = (lambda: None), (lambda: None)
+
+    # ---- request lifecycle (API server's event loop) -----------------------------------------
+    def request_started(self, request_id: str, arrival: float, prompt_len: int) -> None:
+        self._requests[request_id] = _Tracked(arrival, prompt_len)
+
+    def tokens_received(self, request_id: str, index: int, num_tokens: int, now: float) -> None:
+        """`num_tokens`: the sample's token count after this output (what `usage` will report)."""
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            return
+        new = num_tokens - tracked.num_tokens.get(index, 0)
+        if new <= 0:
+            return
+        s = self.series
+        if tracked.first_token_at is None:
+            tracked.first_token_at = now
+            s.observe(n.TTFT, (), now - tracked.arrival)
+            s.inc(n.PROMPT_TOKENS, (), tracked.prompt_len)
+        last = tracked.last_token_at.get(index)
+        if last is not None:
+            per_token = (now - last) / new
+            for _ in range(new):
+                s.observe(n.ITL, (), per_token)
+        tracked.last_token_at[index] = now
+        tracked.num_tokens[index] = num_tokens
+        s.inc(n.GENERATION_TOKENS, (), new)
+
+    def request_finished(self, request_id: str, reasons: list[str], now: float) -> None:
+        for reason in reasons:
+            self.series.inc(n.REQUESTS_FINISHED, (reason,), 1)
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return
+        s = self.series
+        s.observe(n.E2E_LATENCY, (), now - tracked.arrival)
+        if tracked.first_token_at is not None:
+            s.observe(n.REQUEST_PROMPT_TOKENS, (), tracked.prompt_len)
+            s.observe(n.REQUEST_GENERATION_TOKENS, (), sum(tracked.num_tokens.values()))
+
+    def observe_host_phase(self, phase: str, seconds: float) -> None:
+        self.series.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
+
+    # ---- scrape -----------------------------------------------------------------------------
+    def collect(self):
+        model = (self.model_name,)
+        yield from self._gauges()
+        histograms: dict[str, dict[tuple, tuple[list[int], float]]] = {}
+        counters: dict[str, dict[tuple, float]] = {}
+        core = self._core()
+        if core is not None:
+            for name, values in core.histograms.items():
+                histograms.setdefault(name, {}).update(values)
+            for name, values in core.counters.items():
+                counters.setdefault(name, {}).update(values)
+        for name, values in self.series.histograms.items():
+            histograms.setdefault(name, {}).update({k: b.state() for k, b in values.items()})
+        for name, values in self.series.counters.items():
+            counters.setdefault(name, {}).update(values)
+        attached = self.ready is not None
+        for name, spec in self.specs.items():
+            labels = ["model_name", *spec.labels]
+            # Series without labels exist from the start (0), so rate() and absent() work before traffic.
+            if attached and not spec.labels:
+                (counters if spec.kind == "counter" else histograms).setdefault(name, {}).setdefault(
+                    (), 0.0 if spec.kind == "counter" else ([0] * (len(spec.buckets) + 1), 0.0))
+            if spec.kind == "counter":
+                family = CounterMetricFamily(name, spec.help, labels=labels)
+                for key, value in sorted(counters.get(name, {}).items()):
+                    family.add_metric(model + key, value)
+            else:
+                family = HistogramMetricFamily(name, spec.help, labels=labels)
+                les = [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
+                for key, (counts, total) in sorted(histograms.get(name, {}).items()):
+                    if len(counts) != len(les):
+                        continue  # buckets of another configuration (a restarted core): skip, never mislabel
+                    cumulative, running = [], 0
+                    for le, count in zip(les, counts):
+                        running += count
+                        cumulative.append((le, running))
+                    family.add_metric(model + key, cumulative, total)
+            yield family
+
+    def _gauges(self):
+        model = self.model_name
+        stats = self._stats() or p.EngineStats()
+        for name, help_text, value in (
+            (n.REQUESTS_RUNNING, "Sequences in the running batch", stats.num_running),
+            (n.REQUESTS_WAITING, "Sequences waiting to be scheduled", stats.num_waiting),
+            (n.KV_CACHE_USAGE, "Fraction of KV-cache blocks in use, 0..1", stats.kv_cache_usage),
+            (n.VLLM_RUNNING, "Number of requests in model execution batches.", stats.num_running),
+            (n.VLLM_WAITING, "Number of requests waiting to be processed.", stats.num_waiting),
+            (n.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+        ):
+            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([model], value)
+            yield family
+        ready = self.ready
+        if ready is None:
+            return
+        info = {"model_name": model, "block_size": str(ready.block_size), "num_gpu_blocks": str(ready.num_blocks),
+                "enable_prefix_caching": str(self.enable_prefix_caching),
+                "num_scheduler_steps": str(ready.num_scheduler_steps)}
+        family = GaugeMetricFamily(n.VLLM_CACHE_CONFIG, "Information of the KV cache configuration (value 1).",
+                                   labels=list(info))
+        family.add_metric(list(info.values()), 1.0)
+        yield family
+        method = "cuda_events" if ready.device.startswith("cuda") else "host_clock"
+        family = GaugeMetricFamily(n.STEP_TIMER_INFO, "How step durations and gaps are timed (value 1): "
+                                   "cuda_events on the compute stream, or host_clock", labels=["model_name", "method"])
+        family.add_metric([model, method], 1.0)
+        yield family

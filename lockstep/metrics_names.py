@@ -1,0 +1,134 @@
+"""Prometheus names, label values and bucket boundaries shared by the engine, gateway, operator and tests.
+
+Standard library only (no prometheus_client, no torch), so the gateway, the operator and a test can
+import it. DESIGN.md §6 fixes the rules: prefix `lockstep_`, base units, counters end in `_total`
+(prometheus_client adds it: the constants below are the exposed names), no request-level labels.
+The vLLM names are exported unchanged next to ours, so routers and autoscalers built for vLLM read a
+Lockstep engine as they read vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def one_two_five(low: float, high: float) -> tuple[float, ...]:
+    """The 1-2-5 series between `low` and `high` (both included when on the series), rounded to 6 digits."""
+    values = []
+    for exponent in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1):
+        for mantissa in (1, 2, 5):
+            value = float(f"{mantissa * 10.0 ** exponent:.6g}")
+            if low * (1 - 1e-9) <= value <= high * (1 + 1e-9):
+                values.append(value)
+    return tuple(values)
+
+
+# ---- bucket boundaries ----------------------------------------------------------------------
+# Idle gap between forwards, and host phases: 2 us (the CUDA event floor is ~1.3 us) .. 100 ms.
+GAP_BUCKETS = one_two_five(2e-6, 0.1)
+HOST_PHASE_BUCKETS = one_two_five(2e-6, 1.0)
+# GPU time of one forward (+ sample).
+STEP_DURATION_BUCKETS = (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 1e-2, 1.5e-2, 2e-2, 3e-2, 5e-2, 7.5e-2, 0.1, 0.2,
+                         0.5, 1.0)
+# vLLM's iteration_tokens_total boundaries.
+STEP_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Steps a window executed: every length up to 8 is its own bucket, so "all windows ran N" is checkable.
+WINDOW_STEPS_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+# vLLM's request histograms, so dashboards built for vLLM port unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+# Finer low end than vLLM's 10 ms first bucket: a decode step of a small model is well under 10 ms.
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+               1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1) + REQUEST_LATENCY_BUCKETS
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's prompt/generation length buckets: 1-2-5 up to max_model_len."""
+    return tuple(int(b) for b in one_two_five(1, max(max_model_len, 1)))
+
+
+# ---- label values ---------------------------------------------------------------------------
+STEP_PHASES = ("prefill", "decode")  # prefill: the forward fed prompt tokens (mixed batches included)
+BOUNDARIES = ("window_start", "intra")  # the gap before a window's first step / between steps of a window
+HOST_PHASES = ("schedule", "prepare", "pythonize", "update", "detokenize", "output_ipc")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TIMER_METHODS = ("cuda_events", "host_clock")
+
+# ---- engine: step timing --------------------------------------------------------------------
+STEP_GAP = "lockstep_step_gap_seconds"
+GPU_IDLE = "lockstep_gpu_idle_seconds_total"
+GPU_BUSY = "lockstep_gpu_busy_seconds_total"
+STEP_DURATION = "lockstep_step_duration_seconds"
+STEPS = "lockstep_steps_total"
+STEP_TOKENS = "lockstep_step_tokens"
+WINDOW_STEPS = "lockstep_scheduler_window_steps"
+HOST_PHASE = "lockstep_host_phase_seconds"
+WASTED_TOKENS = "lockstep_wasted_tokens_total"
+STEP_TIMER_INFO = "lockstep_step_timer_info"
+
+# ---- engine: scheduler, cache, requests -----------------------------------------------------
+REQUESTS_RUNNING = "lockstep_requests_running"
+REQUESTS_WAITING = "lockstep_requests_waiting"
+KV_CACHE_USAGE = "lockstep_kv_cache_usage_ratio"
+PREEMPTIONS = "lockstep_preemptions_total"
+PREFIX_CACHE_QUERIES = "lockstep_prefix_cache_queries_total"
+PREFIX_CACHE_HITS = "lockstep_prefix_cache_hits_total"
+PROMPT_TOKENS = "lockstep_prompt_tokens_total"
+GENERATION_TOKENS = "lockstep_generation_tokens_total"
+REQUESTS_FINISHED = "lockstep_requests_finished_total"
+TTFT = "lockstep_time_to_first_token_seconds"
+ITL = "lockstep_inter_token_latency_seconds"
+E2E_LATENCY = "lockstep_e2e_request_latency_seconds"
+QUEUE_TIME = "lockstep_request_queue_time_seconds"
+REQUEST_PROMPT_TOKENS = "lockstep_request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "lockstep_request_generation_tokens"
+
+# ---- vLLM's routing series (label `model_name`, as vLLM) ------------------------------------
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # a 0..1 fraction despite the name, as in vLLM
+VLLM_CACHE_CONFIG = "vllm:cache_config_info"
+VLLM_ROUTING_GAUGES = (VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE)
+
+# ---- gateway and operator (declared in lockstep_gateway.metrics / lockstep_operator.metrics) --
+GATEWAY_REQUESTS = "lockstep_gateway_requests_total"
+GATEWAY_UPSTREAM_LATENCY = "lockstep_gateway_upstream_latency_seconds"
+GATEWAY_UPSTREAM_REQUESTS = "lockstep_gateway_upstream_requests_total"
+GATEWAY_RETRIES = "lockstep_gateway_retries_total"
+GATEWAY_UPSTREAM_HEALTHY = "lockstep_gateway_upstream_healthy"
+GATEWAY_RATE_LIMITED = "lockstep_gateway_rate_limited_requests_total"
+OPERATOR_RECONCILES = "lockstep_operator_reconciles_total"
+OPERATOR_RECONCILE_ERRORS = "lockstep_operator_reconcile_errors_total"
+OPERATOR_RECONCILE_DURATION = "lockstep_operator_reconcile_duration_seconds"
+
+
+def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text format -> {(name, sorted label pairs): value}; comments and timestamps dropped.
+
+    Enough for the series this project exports (label values hold no escaped quotes or commas
+    followed by `="`), which is what a router reading a few gauges, or a test, needs.
+    """
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, rest = line.split("{", 1)
+            body, value = rest.rsplit("}", 1)
+            labels = tuple(sorted(_split_labels(body)))
+        else:
+            name, value = line.split(" ", 1)
+            labels = ()
+        samples[(name, labels)] = float(value.split()[0])
+    return samples
+
+
+def _split_labels(body: str):
+    for part in body.split('",'):
+        if not part.strip():
+            continue
+        key, value = part.split("=", 1)
+        yield key.strip(), value.strip().strip('"')
