@@ -106,10 +106,12 @@ def greedy_match(base: LLM, args) -> dict:
     prompts = [[(7919 * i + 31 * k) % (vocab - 1000) + 1000 for k in range(16 + 5 * i)] for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
     results = {}
-    for backend in ("torch", "triton"):
+    for backend, steps in (("torch", 8), ("triton", 8), ("triton", 1)):
         try:
-            llm = LLM(args.model, share_model_with=base, attention_backend=backend, num_scheduler_steps=8,
+            llm = LLM(args.model, share_model_with=base, attention_backend=backend, num_scheduler_steps=steps,
                       max_model_len=args.max_model_len)
+            if backend == "triton" and steps == 1:
+                backend = "triton_n1"
             results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         except Exception as error:  # the report says which backend failed and why
             results[backend] = repr(error)
@@ -128,7 +130,10 @@ def greedy_match(base: LLM, args) -> dict:
             top = a.outputs[0].logprobs[k].top
             first_gap = {"prompt": total - 1, "position": k,
                          "torch_top2_gap": top[0][1] - top[1][1] if len(top) > 1 else None}
-    return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap}
+    n_invariant = all(a.outputs[0].token_ids == b.outputs[0].token_ids
+                      for a, b in zip(results["triton"], results["triton_n1"]))
+    return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap,
+            "triton_n1_equals_n8": n_invariant}
 
 
 def peer(args, prompts, lengths) -> dict:
@@ -228,11 +233,24 @@ def main() -> int:
         if llm.engine.runner.graphs is not None:
             llm.engine.runner.graphs.warmup(args.max_num_seqs)
         log(f"sharegpt-synth N={n}")
-        RESULTS["runs"][f"N={n}"] = run_workload(llm, prompts, lengths, f"N={n}")
+        try:
+            RESULTS["runs"][f"N={n}"] = run_workload(llm, prompts, lengths, f"N={n}")
+        except Exception:
+            RESULTS.setdefault("errors", {})[f"N={n}"] = traceback.format_exc()[-3000:]
+            log(RESULTS["errors"][f"N={n}"])
+            continue
         log(json.dumps(RESULTS["runs"][f"N={n}"]))
         json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
     if "roofline" not in args.skip:
-        RESULTS["roofline"] = roofline(base, args, bandwidth)
+        try:
+            RESULTS["roofline"] = roofline(base, args, bandwidth)
+        except Exception:
+            RESULTS.setdefault("errors", {})["roofline"] = traceback.format_exc()[-3000:]
+    if args.peer_prompts and "peer" not in args.skip:
+        llm = LLM(args.model, share_model_with=base, num_scheduler_steps=8, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        RESULTS["runs"][f"N=8 first {args.peer_prompts}"] = run_workload(
+            llm, prompts[:args.peer_prompts], lengths[:args.peer_prompts], "N=8 peer-sized")
     if "peer" not in args.skip:
         try:
             del base
@@ -265,6 +283,8 @@ def print_table() -> None:
               f"({row['ratio']:.2f}x)")
     if "greedy_match_triton_vs_torch" in RESULTS:
         print("greedy match:", RESULTS["greedy_match_triton_vs_torch"])
+    for name, error in RESULTS.get("errors", {}).items():
+        print(f"ERROR {name}: {error[-600:]}")
 
 
 if __name__ == "__main__":
