@@ -1,0 +1,95 @@
+"""Graceful shutdown and a dead engine core, each on a server of its own."""
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from api_harness import Server, wait_until
+
+
+def start_stream(server: Server, max_tokens: int, results: list, index: int, first_chunk: threading.Event):
+    """Streams one request in a thread; records (tokens, finish_reason, error) into results[index]."""
+
+    def run():
+        tokens, finish, error = 0, None, None
+        body = {"model": server.model, "prompt": [5, 6, 7 + index], "max_tokens": max_tokens, "ignore_eos": True,
+                "logprobs": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"]
+                        break
+                    choice = chunk["choices"][0]
+                    tokens += len(choice["logprobs"]["tokens"])
+                    finish = choice["finish_reason"] or finish
+                    first_chunk.set()
+        except httpx.HTTPError as exc:
+            error = repr(exc)
+        results[index] = (tokens, finish, error)
+        first_chunk.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def own_server():
+    servers = []
+
+    def make(model, *args):
+        server = Server(model, *args)
+        servers.append(server)
+        return server.wait_healthy()
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_0(own_server):
+    # A model slow enough on the CPU that the streams are still running when SIGTERM arrives.
+    server = own_server("random:smollm2-135m", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512",
+                        "--shutdown-grace-period", "180")
+    results = [None] * 3
+    started = [threading.Event() for _ in results]
+    threads = [start_stream(server, 40, results, i, started[i]) for i in range(len(results))]
+    for event in started:
+        assert event.wait(120)
+    assert all(result is None for result in results), results  # all still streaming
+
+    server.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 503, 10, what="/health 503")
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+
+    for thread in threads:
+        thread.join(180)
+    assert results == [(40, "length", None)] * 3
+    assert server.process.wait(60) == 0
+
+
+def test_a_dead_core_fails_requests_in_flight_and_health(own_server):
+    server = own_server("random:tiny", "--num-gpu-blocks-override", "256", "--num-scheduler-steps", "1")
+    results = [None]
+    started = threading.Event()
+    thread = start_stream(server, 2000, results, 0, started)
+    assert started.wait(60)
+
+    os.kill(server.core_pid(), signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive()
+    tokens, finish, error = results[0]
+    assert error is not None and error["code"] == 503 and finish is None
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+    assert refused.status_code == 503 and "engine core" in refused.json()["error"]["message"]
+    assert server.stop() == 0
