@@ -16,6 +16,8 @@ Three kernels, all over the paged KV cache [num_blocks + 1, block_size, num_kv_h
   sequence's cached context through its block table, causal on the tiles near the diagonal.
 
 Nothing here syncs with the host or sizes an allocation from device values: decode is graph-capturable.
+Per-step integers (token and sequence counts, length bounds, split counts) are not specialized on, so
+a new batch shape does not compile a new kernel variant mid-serving.
 Scale head_dim ** -0.5, fp32 accumulation, output in q's dtype (bf16, fp16 or fp32; fp32 dots use
 IEEE precision, not TF32).
 """
@@ -41,7 +43,7 @@ _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0
 # KV write
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
                      stride_kt, stride_vt, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                      ROW: tl.constexpr, ROW_PAD: tl.constexpr, TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -115,7 +117,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, n0, kv_end, kv_head, table_ptr, k_cach
 # Decode
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_len", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -165,7 +167,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, out
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_splits,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
@@ -206,7 +208,7 @@ def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "max_len"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
