@@ -130,10 +130,17 @@ def greedy_match(base: LLM, args) -> dict:
             top = a.outputs[0].logprobs[k].top
             first_gap = {"prompt": total - 1, "position": k,
                          "torch_top2_gap": top[0][1] - top[1][1] if len(top) > 1 else None}
-    n_invariant = all(a.outputs[0].token_ids == b.outputs[0].token_ids
-                      for a, b in zip(results["triton"], results["triton_n1"]))
+    n_same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
+                 for a, b in zip(results["triton"], results["triton_n1"]))
+    n_positions = [next((i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
+                         if x != y), None) for a, b in zip(results["triton"], results["triton_n1"])]
+    n_gaps = []
+    for a, k in zip(results["triton_n1"], n_positions):
+        if k is not None:
+            top = a.outputs[0].logprobs[k].top
+            n_gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
     return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap,
-            "triton_n1_equals_n8": n_invariant}
+            "triton_n1_vs_n8_identical": n_same, "n1_vs_n8_first_divergence_top2_gaps": n_gaps[:16]}
 
 
 def peer(args, prompts, lengths) -> dict:
@@ -181,12 +188,13 @@ def roofline(base: LLM, args, bandwidth: float) -> list[dict]:
     rows = []
     for batch in (1, 32, 128, 256):
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=16, max_num_seqs=batch,
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, max_num_batched_tokens=16384)
         prompts = [[(101 * i + k) % 30000 + 1000 for k in range(args.roofline_context)] for i in range(batch)]
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True))
-        # decode steps only: each window's first step may carry prefill
-        times = sorted(llm.engine.core.stats.decode_step_s)
+        # decode steps with every row present (each window's first step may carry prefill)
+        stats = llm.engine.core.stats
+        times = sorted(t for t, b in zip(stats.decode_step_s, stats.decode_step_batch) if b == batch)
         step_s = times[len(times) // 2]
         kv_bytes = batch * (args.roofline_context + 16) * kv_per_token
         ideal = (weight_bytes + kv_bytes) / bandwidth
@@ -211,6 +219,17 @@ def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["torch"] = torch.__version__
+    workload = make_workload("sharegpt-synth", args.num_prompts, seed=0, vocab_size=128256)
+    prompts = [r.prompt_token_ids for r in workload]
+    lengths = [r.output_len for r in workload]
+    if args.peer_prompts and "peer" not in args.skip:
+        # First, while the whole GPU is free for its paged cache.
+        try:
+            RESULTS["peer"] = peer(args, prompts[:args.peer_prompts], lengths[:args.peer_prompts])
+        except Exception:
+            RESULTS["peer"] = {"error": traceback.format_exc()[-2000:]}
+        log(f"peer: {RESULTS['peer']}")
+        torch.cuda.empty_cache()
     bandwidth = copy_bandwidth()
     RESULTS["copy_bandwidth_TBps"] = bandwidth / 1e12
     log(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -221,10 +240,6 @@ def main() -> int:
     if "match" not in args.skip:
         RESULTS["greedy_match_triton_vs_torch"] = greedy_match(base, args)
         log(f"greedy match: {RESULTS['greedy_match_triton_vs_torch']}")
-    workload = make_workload("sharegpt-synth", args.num_prompts, seed=0,
-                             vocab_size=base.engine.model_config.vocab_size)
-    prompts = [r.prompt_token_ids for r in workload]
-    lengths = [r.output_len for r in workload]
     RESULTS["runs"] = {}
     for n in args.steps:
         steps = n if n == "auto" else int(n)
@@ -246,19 +261,11 @@ def main() -> int:
             RESULTS["roofline"] = roofline(base, args, bandwidth)
         except Exception:
             RESULTS.setdefault("errors", {})["roofline"] = traceback.format_exc()[-3000:]
-    if args.peer_prompts and "peer" not in args.skip:
+    if args.peer_prompts:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=8, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         RESULTS["runs"][f"N=8 first {args.peer_prompts}"] = run_workload(
             llm, prompts[:args.peer_prompts], lengths[:args.peer_prompts], "N=8 peer-sized")
-    if "peer" not in args.skip:
-        try:
-            del base
-            torch.cuda.empty_cache()
-            RESULTS["peer"] = peer(args, prompts[:args.peer_prompts], lengths[:args.peer_prompts])
-        except Exception:
-            RESULTS["peer"] = {"error": traceback.format_exc()[-2000:]}
-        log(f"peer: {RESULTS['peer']}")
     json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
     print_table()
     return 0

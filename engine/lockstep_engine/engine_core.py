@@ -46,6 +46,7 @@ class CoreStats:
     gaps_s: list[float] = field(default_factory=list)  # idle between steps inside a window
     boundary_gaps_s: list[float] = field(default_factory=list)  # idle between back-to-back windows
     decode_step_s: list[float] = field(default_factory=list)  # steps 2..N of windows: pure decode
+    decode_step_batch: list[int] = field(default_factory=list)  # rows in each of those steps
     window_steps: list[int] = field(default_factory=list)
     step_batch_sizes: list[int] = field(default_factory=list)
     first_step_tokens: list[int] = field(default_factory=list)  # tokens fed to each window's first forward
@@ -193,6 +194,7 @@ class EngineCore:
         stats.output_s += timings.output_s
         stats.gaps_s += timings.gaps_s
         stats.decode_step_s += timings.forward_s[1:]
+        stats.decode_step_batch += [len(sampling)] * len(timings.forward_s[1:])
         if timings.boundary_gap_s is not None:
             stats.boundary_gaps_s.append(timings.boundary_gap_s)
         stats.update_s += time.perf_counter() - update_start
