@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import random
+import ssl
 import time
 
 import httpx
@@ -26,7 +27,7 @@ from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.discovery import KubeAPI, KubernetesDiscovery, watch_config_file
 from lockstep_gateway.errors import GatewayError, error_body, error_response
 from lockstep_gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from lockstep_gateway.proxy import Job, Proxy
+from lockstep_gateway.proxy import ClientShards, Job, Proxy
 from lockstep_gateway.ratelimit import RateLimiter, estimate_tokens
 from lockstep_gateway.routing import session_key
 
@@ -40,6 +41,7 @@ PROXIED_ROUTES = {
     "/detokenize": "detokenize",
 }
 GENERATION_ROUTES = ("completions", "chat_completions")
+UPSTREAM_CLIENT_SHARDS = 16
 # Headers the engine may need; everything else (hop-by-hop, host, cookies) stays here.
 FORWARDED_HEADERS = ("x-request-id", "traceparent", "tracestate")
 
@@ -52,12 +54,14 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.keys = KeyChecker(load_keys(config.api_key_files, config.api_keys))
         self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=config.connect_timeout_s, read=None, write=30.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30.0),
-        )
+        timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=30.0, pool=None)
+        tls = ssl.create_default_context()  # one for every client: each costs ~0.15 s of CPU to build
+        # Health checks and scrapes get a client of their own: they never queue behind proxied traffic.
+        self.client = httpx.AsyncClient(timeout=timeout, verify=tls)
+        self.upstream = ClientShards(UPSTREAM_CLIENT_SHARDS, timeout=timeout, verify=tls, limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0))
         self.registry = Registry(config, self.client, self.metrics)
-        self.proxy = Proxy(config, self.registry, self.client, self.metrics, self.limiter, rng)
+        self.proxy = Proxy(config, self.registry, self.upstream, self.metrics, self.limiter, rng)
         self.registry.set_endpoints("static", config.engines)
         self._tasks: list[asyncio.Task] = []
 
@@ -78,6 +82,7 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.registry.stop()
+        await self.upstream.aclose()
         await self.client.aclose()
 
     # ---- one proxied request ------------------------------------------------------------------

@@ -36,7 +36,7 @@ class GatewayConfig:
     saturation_queue_depth: int = 256
     max_in_flight_per_engine: int = 0
     # upstream timeouts and retries
-    connect_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 120.0
     idle_timeout_s: float = 30.0
     max_retries: int = 2

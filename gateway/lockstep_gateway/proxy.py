@@ -10,6 +10,7 @@ upstream connection, which makes the engine abort the request and free its KV bl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -52,11 +53,11 @@ class _Retry(Exception):
 
 
 class Proxy:
-    def __init__(self, config: GatewayConfig, registry: Registry, client: httpx.AsyncClient, metrics: GatewayMetrics,
+    def __init__(self, config: GatewayConfig, registry: Registry, clients: ClientShards, metrics: GatewayMetrics,
                  limiter: RateLimiter, rng: random.Random | None = None):
         self.config = config
         self.registry = registry
-        self.client = client
+        self.clients = clients
         self.metrics = metrics
         self.limiter = limiter
         self.rng = rng or random.Random()
@@ -133,12 +134,15 @@ class Proxy:
         response = None
         started = time.monotonic()
         try:
-            request = self.client.build_request("POST", engine + job.path, content=job.body, headers=job.headers)
+            client = self.clients.pick()
+            request = client.build_request("POST", engine + job.path, content=job.body, headers=job.headers)
             try:
-                response = await asyncio.wait_for(self.client.send(request, stream=True), cfg.first_byte_timeout_s)
+                response = await asyncio.wait_for(client.send(request, stream=True), cfg.first_byte_timeout_s)
             except httpx.ConnectError as error:
                 self.registry.eject(backend, f"connect failed: {error}")
                 raise self._fail(engine, "error", "connect") from None
+            except httpx.ConnectTimeout:
+                raise self._fail(engine, "timeout", "connect_timeout") from None
             except (asyncio.TimeoutError, httpx.TimeoutException):
                 raise self._fail(engine, "timeout", "first_byte_timeout") from None
             except httpx.HTTPError as error:
@@ -201,22 +205,24 @@ class Proxy:
         pending = b""
         chunk = first
         outcome = "ok"
+        idle = self.config.idle_timeout_s
+        loop = asyncio.get_running_loop()
         try:
-            while chunk is not None:
-                if not pending and chunk.endswith(b"\n\n"):
-                    complete = chunk
-                else:
-                    pending += chunk
-                    cut = pending.rfind(b"\n\n") + 2
-                    complete, pending = pending[:cut], pending[cut:]
-                if complete:
-                    if b'"usage":{' in complete or b'"usage": {' in complete:
-                        self._settle_from_sse(job, complete)
-                    yield complete
-                try:
-                    chunk = await asyncio.wait_for(chunks.__anext__(), self.config.idle_timeout_s)
-                except StopAsyncIteration:
-                    chunk = None
+            async with _idle_timer(idle) as timer:
+                while chunk is not None:
+                    if not pending and chunk.endswith(b"\n\n"):
+                        complete = chunk
+                    else:
+                        pending += chunk
+                        cut = pending.rfind(b"\n\n") + 2
+                        complete, pending = pending[:cut], pending[cut:]
+                    if complete:
+                        if b'"usage":{' in complete or b'"usage": {' in complete:
+                            self._settle_from_sse(job, complete)
+                        _reschedule(timer, None)  # a slow client is not an idle engine
+                        yield complete
+                    _reschedule(timer, loop.time() + idle)
+                    chunk = await _next_chunk(chunks, None if timer else idle)
             if pending:
                 yield pending
         except (asyncio.TimeoutError, httpx.TimeoutException):
@@ -256,6 +262,47 @@ class Proxy:
                     self._settle(job, json.loads(line[6:]).get("usage"))
                 except (ValueError, AttributeError):
                     pass
+
+
+# One timer per stream, moved on at every chunk (asyncio.timeout, Python 3.11+), instead of a
+# wait_for per chunk, which costs a task each time: at 1,000 streams that is most of the CPU.
+if hasattr(asyncio, "timeout"):
+    def _idle_timer(seconds: float):
+        return asyncio.timeout(seconds)
+else:  # Python 3.10: wait_for per chunk
+    def _idle_timer(seconds: float):
+        return contextlib.nullcontext()
+
+
+def _reschedule(timer, when: float | None) -> None:
+    if timer is not None:
+        timer.reschedule(when)
+
+
+async def _next_chunk(chunks, timeout: float | None) -> bytes | None:
+    try:
+        if timeout is None:
+            return await chunks.__anext__()
+        return await asyncio.wait_for(chunks.__anext__(), timeout)
+    except StopAsyncIteration:
+        return None
+
+
+class ClientShards:
+    """Several httpx clients used in turn: httpcore's pool scans all its connections for every
+    request, which turns quadratic at a thousand open streams; shards keep each pool small."""
+
+    def __init__(self, num_shards: int, **client_kwargs):
+        self.clients = [httpx.AsyncClient(**client_kwargs) for _ in range(num_shards)]
+        self._next = 0
+
+    def pick(self) -> httpx.AsyncClient:
+        self._next = (self._next + 1) % len(self.clients)
+        return self.clients[self._next]
+
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.aclose()
 
 
 async def _close(response: httpx.Response) -> None:

@@ -209,9 +209,12 @@ class FakeEngine:
                 pass
 
             def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+                # No keep-alive: once the fake is shut down, nothing answers on an old connection.
+                self.close_connection = True
                 self.send_response(status)
                 self.send_header("content-type", content_type)
                 self.send_header("content-length", str(len(body)))
+                self.send_header("connection", "close")
                 self.end_headers()
                 self.wfile.write(body)
 
