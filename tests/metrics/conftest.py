@@ -1,0 +1,48 @@
+"""A real `lockstep serve random:tiny` and a real Prometheus server scraping it, on 127.0.0.1.
+
+Both are shared by the session's tests (starting them costs seconds). Every wait is a poll with a
+deadline. Servers get one intra-op thread (LOCKSTEP_CPU_THREADS=1): the machine has two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+from metrics_harness import Server
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("metrics"))
+
+
+@pytest.fixture(scope="session")
+def servers(log_dir):
+    """Both servers start together (their startups overlap) and stop together."""
+    started = {
+        # random:tiny at N=8: token counts and timing are what matter, not text.
+        "main": Server(log_dir, "random:tiny", "--num-scheduler-steps", "8", "--max-model-len", "1024",
+                       "--num-gpu-blocks-override", "1024"),
+        # 12 KV blocks of 16 tokens and 2 seats: concurrent requests wait, and two long ones preempt.
+        "small_cache": Server(log_dir, "random:tiny", "--num-scheduler-steps", "4", "--max-model-len", "1024",
+                              "--num-gpu-blocks-override", "12", "--block-size", "16", "--max-num-seqs", "2",
+                              name="serve-small-cache"),
+    }
+    try:
+        for server in started.values():
+            server.wait_http(f"{server.url}/health")
+        yield started
+    finally:
+        for server in started.values():
+            server.terminate()
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(servers) -> Server:
+    return servers["main"]
+
+
+@pytest.fixture(scope="session")
+def small_cache_server(servers) -> Server:
+    return servers["small_cache"]
