@@ -58,7 +58,7 @@ def _wait_for_dns(host: str) -> None:
             time.sleep(1.0)
 
 
-def init_group(rank: int, world: int, leader: str, port: int, device: str) -> ParallelState:
+def init_group(rank: int, world: int, leader: str, port: int, device: str, tp: int | None = None) -> ParallelState:
     if world < 1 or not 0 <= rank < world:
         raise GroupError(f"LOCKSTEP_RANK={rank} is invalid: expected 0 <= rank < LOCKSTEP_WORLD_SIZE={world}")
     if rank != 0:
@@ -69,8 +69,13 @@ def init_group(rank: int, world: int, leader: str, port: int, device: str) -> Pa
     log(f"rank {rank}/{world}: joining the group at {leader}:{port} ({backend})")
     dist.init_process_group(backend, init_method=f"tcp://{leader}:{port}", rank=rank, world_size=world,
                             timeout=CONTROL_TIMEOUT)
-    tp_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return ParallelState(tp_rank=rank, tp_size=world, tp_group=tp_group)
+    tp = tp or world
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    world_group = dist.new_group(list(range(world)), timeout=timeout)
+    # Every rank creates every stage's TP group, in the same order (a torch.distributed rule).
+    tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout) for s in range(world // tp)]
+    return ParallelState(tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=world // tp,
+                         tp_group=tp_groups[rank // tp], world_group=world_group)
 
 
 def _die_with_parent() -> None:
@@ -150,9 +155,6 @@ def create_runner(config: EngineConfig, source):
     world = world_size(config)
     if world == 1:
         return ModelRunner(config, source)
-    if config.pipeline_parallel_size > 1:
-        raise GroupError(f"pipeline_parallel_size={config.pipeline_parallel_size} is not supported yet "
-                         f"(expected 1); tensor parallelism is")
     _check_layout(config, source.config)
     device = resolve_device(config.device).type
     workers = []
@@ -165,7 +167,7 @@ def create_runner(config: EngineConfig, source):
     else:
         leader, port = "127.0.0.1", free_port()
         workers = spawn_local_workers(config, port)
-    state = init_group(0, world, leader, port, device)
+    state = init_group(0, world, leader, port, device, config.tensor_parallel_size)
     return LeaderRunner(ModelRunner(config, source, state), workers)
 
 
@@ -179,6 +181,9 @@ def _check_layout(config: EngineConfig, model) -> None:
         raise GroupError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's {kv} KV heads")
     if model.intermediate_size % tp:
         raise GroupError(f"tensor_parallel_size={tp} does not divide the MLP size {model.intermediate_size}")
+    pp = config.pipeline_parallel_size
+    if pp > model.num_hidden_layers:
+        raise GroupError(f"pipeline_parallel_size={pp} exceeds the model's {model.num_hidden_layers} layers")
 
 
 def run_worker(config: EngineConfig) -> int:
@@ -196,7 +201,7 @@ def run_worker(config: EngineConfig) -> int:
     _check_layout(config, source.config)
     state = init_group(rank, world, os.environ.get("LOCKSTEP_LEADER_ADDR", "127.0.0.1"),
                        int(os.environ.get("LOCKSTEP_RENDEZVOUS_PORT", DEFAULT_PORT)),
-                       resolve_device(config.device).type)
+                       resolve_device(config.device).type, config.tensor_parallel_size)
     runner = ModelRunner(config, source, state)
     log(f"rank {rank}: ready")
     while True:

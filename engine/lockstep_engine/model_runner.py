@@ -20,7 +20,7 @@ import torch
 from lockstep_engine.attention import AttentionMetadata, make_backend
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.models.llama import LlamaForCausalLM
-from lockstep_engine.parallel import SINGLE, ParallelState
+from lockstep_engine.parallel import SINGLE, ParallelState, broadcast_from_sampler, pp_recv, pp_send
 from lockstep_engine.sampler import SampleOutput, Sampler, SamplingTensors, row_seed
 from lockstep_engine.scheduler import WindowPlan
 from lockstep_engine.sources import ModelSource, log
@@ -120,16 +120,17 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_size = config.block_size
         self.num_blocks = self._count_kv_blocks()
-        if state.tp_size > 1:
+        if state.tp_size * state.pp_size > 1:
             # Every rank must hold the same block ids: agree on the smallest cache.
             count = torch.tensor([self.num_blocks], dtype=torch.int64,
                                  device=self.device if self.device.type == "cuda" else "cpu")
-            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=state.tp_group)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=state.world_group)
             self.num_blocks = int(count.item())
         self._allocate_kv_cache()
         self._last_mark = None
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and getattr(self.backend, "graph_safe", False):
+        if (self.device.type == "cuda" and not config.enforce_eager and state.pp_size == 1
+                and getattr(self.backend, "graph_safe", False)):
             from lockstep_engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
@@ -177,9 +178,11 @@ class ModelRunner:
         tokens = min(self.config.max_num_batched_tokens or 2048, 8192)
         rows = min(self.config.max_num_seqs, tokens)
         hidden = torch.zeros(tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
-        logits = self.model.compute_logits(hidden[:rows]).float()
-        torch.softmax(logits, dim=-1).sort(dim=-1)
-        del hidden, logits
+        if self.model.lm_head is not None:
+            logits = self.model.compute_logits(hidden[:rows]).float()
+            torch.softmax(logits, dim=-1).sort(dim=-1)
+            del logits
+        del hidden
         # MLP intermediate of a full prefill step
         extra = tokens * self.model_config.intermediate_size * 3 * torch.finfo(self.dtype).bits // 8
         peak = torch.cuda.max_memory_allocated(self.device) - before + extra
@@ -256,6 +259,40 @@ class ModelRunner:
                 counts[index].index_add_(0, self._tensor(outputs), torch.ones(len(outputs), device=self.device))
         return counts
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """This stage's layers; hidden states come from the previous stage and go to the next.
+        Returns the final hidden states on the last stage, None elsewhere."""
+        state = self.state
+        hidden = None
+        if not state.is_first_stage:
+            hidden = pp_recv((input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device, state)
+        hidden = self.model(input_ids, positions, meta, hidden)
+        if not state.is_last_stage:
+            pp_send(hidden, state)
+            return None
+        return hidden
+
+    def _sample(self, hidden, t: SamplingTensors, num_generated, counts, guide) -> SampleOutput:
+        """Samples on the last stage; with pipeline stages every rank then adopts its tokens."""
+        state = self.state
+        rows = num_generated.shape[0]
+        if hidden is not None:
+            logits = self.model.compute_logits(hidden).float()
+            out = self.sampler(logits, t, num_generated, counts, guide.allowed_mask() if guide else None)
+        else:
+            out = SampleOutput(tokens=torch.empty(rows, dtype=torch.int64, device=self.device))
+            if t.num_logprobs >= 0:
+                out.logprobs = torch.empty(rows, dtype=torch.float32, device=self.device)
+                out.ranks = torch.empty(rows, dtype=torch.int64, device=self.device)
+                if t.num_logprobs > 0:
+                    out.top_logprobs = torch.empty(rows, t.num_logprobs, dtype=torch.float32, device=self.device)
+                    out.top_ids = torch.empty(rows, t.num_logprobs, dtype=torch.int64, device=self.device)
+        if state.pp_size > 1:
+            tensors = [out.tokens] + ([out.logprobs, out.ranks] if out.logprobs is not None else []) + \
+                ([out.top_logprobs, out.top_ids] if out.top_ids is not None else [])
+            broadcast_from_sampler(tensors, state)
+        return out
+
     def _make_guide(self, rows) -> "Guide | None":
         if not any(row.seq.request.params.json_schema is not None for row in rows):
             return None
@@ -301,15 +338,15 @@ class ModelRunner:
 
         clock = StepClock(self.device, self._last_mark if continuing else None)
         clock.start()
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
+        hidden = self._forward(self._tensor(input_ids), self._tensor(positions), meta)
         if not sampling_rows:
             clock.end()
             timings.forward_s, timings.gaps_s, timings.boundary_gap_s = clock.harvest()
             self._last_mark = clock.marks[-1]
             return timings
-        logits = self.model.compute_logits(hidden[self._tensor(sample_index)]).float()
         guide = self._make_guide(sampling_rows)
-        out = self.sampler(logits, t, num_generated, counts, guide.allowed_mask() if guide else None)
+        selected = hidden[self._tensor(sample_index)] if hidden is not None else None
+        out = self._sample(selected, t, num_generated, counts, guide)
 
         # ---- device state of the decode steps that follow ----
         sel = self._tensor(sample_sel)
@@ -363,10 +400,8 @@ class ModelRunner:
         slot = torch.where(state.done, self.sink_slot, slot)
         meta = AttentionMetadata(slot_mapping=slot, block_tables=state.table, seq_lens=state.positions + 1,
                                  query_start_loc=None, max_seq_len=max_seq_len)
-        hidden = self.model(state.tokens, state.positions, meta)
-        logits = self.model.compute_logits(hidden).float()
-        out = self.sampler(logits, state.sampling, state.num_generated, state.counts,
-                           guide.allowed_mask() if guide else None)
+        hidden = self._forward(state.tokens, state.positions, meta)
+        out = self._sample(hidden, state.sampling, state.num_generated, state.counts, guide)
         state.positions = state.positions + (~state.done).long()
         return out
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism over gloo in several processes gives the single-process tokens."""
+"""Tensor and pipeline parallelism over gloo in several processes give the single-process tokens."""
 
 import json
 import os
@@ -13,8 +13,10 @@ SCRIPT = r"""
 import json, os, sys
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
-model, tp, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-llm = LLM(model, tensor_parallel_size=tp, num_scheduler_steps=int(steps) if steps.isdigit() else steps,
+model, tp, steps = sys.argv[1], sys.argv[2], sys.argv[3]
+tp, pp = (int(x) for x in tp.split("x")) if "x" in tp else (int(tp), 1)
+llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+          num_scheduler_steps=int(steps) if steps.isdigit() else steps,
           kv_cache_memory_bytes=128 << 20, max_model_len=512)
 prompts = json.loads(sys.argv[4])
 greedy = SamplingParams(temperature=0, max_tokens=int(sys.argv[5]), ignore_eos=True)
@@ -37,9 +39,11 @@ def _run(model, tp, steps, prompts, max_tokens, timeout=600):
 
 
 @pytest.mark.parametrize("steps", [1, 8])
-def test_tp2_matches_single_process(steps):
+def test_tp2_pp2_and_tp2xpp2_match_single_process(steps):
     single = _run("random:tiny", 1, steps, TINY_PROMPTS, 24)
     assert _run("random:tiny", 2, steps, TINY_PROMPTS, 24) == single
+    assert _run("random:tiny", "1x2", steps, TINY_PROMPTS, 24) == single
+    assert _run("random:tiny", "2x2", steps, TINY_PROMPTS, 24) == single
 
 
 def test_smollm2_tp3_matches_transformers():
@@ -79,6 +83,10 @@ def test_layout_the_model_cannot_take_is_refused():
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode != 0
     assert "tensor_parallel_size=3 does not divide the model's 8 attention heads" in result.stderr
+    result = subprocess.run([sys.executable, "-c", SCRIPT, "random:tiny", "1x5", "8", "[[1, 2]]", "4"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert "pipeline_parallel_size=5 exceeds the model's 4 layers" in result.stderr
 
 
 KILL_SCRIPT = r"""
