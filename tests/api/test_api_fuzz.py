@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-FUZZ_SECONDS = 60
+FUZZ_SECONDS = 45
 
 
 def test_schemathesis_finds_no_server_error(smol1, tmp_path):

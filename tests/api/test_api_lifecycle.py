@@ -41,27 +41,22 @@ def start_stream(server: Server, max_tokens: int, results: list, index: int, fir
     return thread
 
 
-@pytest.fixture
-def own_server():
-    servers = []
-
-    def make(model, *args):
-        server = Server(model, *args)
-        servers.append(server)
-        return server.wait_healthy()
-
-    yield make
+@pytest.fixture(scope="module")
+def own_servers():
+    """Two servers of their own, loading side by side: one to drain, one whose core gets killed."""
+    args = ("--num-gpu-blocks-override", "512", "--num-scheduler-steps", "1", "--shutdown-grace-period", "120")
+    servers = [Server("random:tiny", *args, name=name) for name in ("to-drain", "to-lose-its-core")]
+    yield [server.wait_healthy() for server in servers]
     for server in servers:
         server.stop()
 
 
-def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_0(own_server):
-    # A model slow enough on the CPU that the streams are still running when SIGTERM arrives.
-    server = own_server("random:smollm2-135m", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512",
-                        "--shutdown-grace-period", "180")
+def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_0(own_servers):
+    server = own_servers[0]
+    # 1000 single-step windows: the streams are still running when SIGTERM arrives.
     results = [None] * 3
     started = [threading.Event() for _ in results]
-    threads = [start_stream(server, 40, results, i, started[i]) for i in range(len(results))]
+    threads = [start_stream(server, 1000, results, i, started[i]) for i in range(len(results))]
     for event in started:
         assert event.wait(120)
     assert all(result is None for result in results), results  # all still streaming
@@ -72,16 +67,16 @@ def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_0(own_server
     assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
 
     for thread in threads:
-        thread.join(180)
-    assert results == [(40, "length", None)] * 3
+        thread.join(120)
+    assert results == [(1000, "length", None)] * 3
     assert server.process.wait(60) == 0
 
 
-def test_a_dead_core_fails_requests_in_flight_and_health(own_server):
-    server = own_server("random:tiny", "--num-gpu-blocks-override", "256", "--num-scheduler-steps", "1")
+def test_a_dead_core_fails_requests_in_flight_and_health(own_servers):
+    server = own_servers[1]
     results = [None]
     started = threading.Event()
-    thread = start_stream(server, 2000, results, 0, started)
+    thread = start_stream(server, 1500, results, 0, started)
     assert started.wait(60)
 
     os.kill(server.core_pid(), signal.SIGKILL)
