@@ -22,6 +22,7 @@ run: model
 	$(PYTHON) -m lockstep.cli up $(MODEL) --port $(PORT) --replicas 1 --num-scheduler-steps 8
 
 test: install k8s-bins
+	bash scripts/install-test-deps.sh
 	$(PYTHON) -m pytest -q tests
 
 # etcd, kube-apiserver and kube-controller-manager for tests/k8s, built from Go modules once and

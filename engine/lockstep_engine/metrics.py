@@ -1,4 +1,4 @@
-"""Engine metrics: step timing from `CoreStats`, request latencies from the token stream, one collector.
+"""Engine metrics: step timing from `CoreStats`, request latencies from the token stream, one /metrics.
 
 Two halves, one per process of `lockstep serve`:
 * `CoreMetrics` lives in the engine-core process. After each window it turns the `CoreStats` deltas
@@ -7,9 +7,9 @@ Two halves, one per process of `lockstep serve`:
   `lockstep.protocol.CoreMetrics` message. Snapshots are cumulative, so the API server only keeps the
   latest and a coalesced or late one loses nothing.
 * `ServerMetrics` lives in the API-server process, where requests arrive and tokens are counted the
-  way `usage` counts them. It observes TTFT, per-token ITL, e2e latency and lengths, and is the one
-  Prometheus collector of the engine: at scrape time it renders its own state, the latest core
-  snapshot and the scheduler gauges (`lockstep_*` plus vLLM's routing names).
+  way `usage` counts them. It observes TTFT, per-token ITL, e2e latency and lengths, and `render()`
+  writes the engine's /metrics text at scrape time: its own state, the latest core snapshot and the
+  scheduler gauges (`lockstep_*` plus vLLM's routing names).
 
 Names, labels and buckets come from `lockstep.metrics_names` (DESIGN.md §6).
 """
@@ -21,7 +21,6 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from lockstep import metrics_names as n
@@ -207,6 +206,9 @@ class ServerMetrics:
         self._stats: Callable[[], p.EngineStats | None] = lambda: None
         self._core: Callable[[], p.CoreMetrics | None] = lambda: None
         self._requests: dict[str, _Tracked] = {}
+        self._headers: dict[str, str] = {}
+        self._label_text: dict[tuple, str] = {}
+        self._bucket_text: dict[tuple, list[str]] = {}
 
     def attach(self, model_name: str, ready: p.CoreReady, enable_prefix_caching: bool,
                stats: Callable[[], p.EngineStats | None], core: Callable[[], p.CoreMetrics | None]) -> None:
@@ -263,9 +265,14 @@ class ServerMetrics:
         self.series.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
 
     # ---- scrape -----------------------------------------------------------------------------
-    def collect(self):
-        model = (self.model_name,)
-        yield from self._gauges()
+    def render(self) -> str:
+        """The Prometheus text exposition of every engine series.
+
+        Written directly, not through prometheus_client's metric families: a busy engine exports ~450
+        samples, the family objects cost ~10x the formatting, and a picker may scrape every 50 ms.
+        """
+        out: list[str] = []
+        self._render_gauges(out)
         histograms: dict[str, dict[tuple, tuple[list[int], float]]] = {}
         counters: dict[str, dict[tuple, float]] = {}
         core = self._core()
@@ -280,30 +287,56 @@ class ServerMetrics:
             counters.setdefault(name, {}).update(values)
         attached = self.ready is not None
         for name, spec in self.specs.items():
-            labels = ["model_name", *spec.labels]
+            out.append(self._header(name, spec.help, spec.kind))
             # Series without labels exist from the start (0), so rate() and absent() work before traffic.
-            if attached and not spec.labels:
-                (counters if spec.kind == "counter" else histograms).setdefault(name, {}).setdefault(
-                    (), 0.0 if spec.kind == "counter" else ([0] * (len(spec.buckets) + 1), 0.0))
             if spec.kind == "counter":
-                family = CounterMetricFamily(name, spec.help, labels=labels)
-                for key, value in sorted(counters.get(name, {}).items()):
-                    family.add_metric(model + key, value)
-            else:
-                family = HistogramMetricFamily(name, spec.help, labels=labels)
-                les = [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
-                for key, (counts, total) in sorted(histograms.get(name, {}).items()):
-                    if len(counts) != len(les):
-                        continue  # buckets of another configuration (a restarted core): skip, never mislabel
-                    cumulative, running = [], 0
-                    for le, count in zip(les, counts):
-                        running += count
-                        cumulative.append((le, running))
-                    family.add_metric(model + key, cumulative, total)
-            yield family
+                values = counters.get(name, {})
+                if attached and not spec.labels:
+                    values.setdefault((), 0.0)
+                for key, value in sorted(values.items()):
+                    out.append(f"{name}{{{self._labels(spec, key)}}} {float(value)!r}\n")
+                continue
+            values = histograms.get(name, {})
+            if attached and not spec.labels:
+                values.setdefault((), ([0] * (len(spec.buckets) + 1), 0.0))
+            for key, (counts, total) in sorted(values.items()):
+                lines = self._bucket_lines(name, spec, key)
+                if len(counts) != len(lines):
+                    continue  # buckets of another configuration (a restarted core): skip, never mislabel
+                running = 0
+                for line, count in zip(lines, counts):
+                    running += count
+                    out.append(f"{line}{running}\n")
+                labels = self._labels(spec, key)
+                out.append(f"{name}_count{{{labels}}} {running}\n{name}_sum{{{labels}}} {float(total)!r}\n")
+        return "".join(out)
 
-    def _gauges(self):
-        model = self.model_name
+    def _header(self, name: str, help_text: str, kind: str) -> str:
+        header = self._headers.get(name)
+        if header is None:
+            escaped = help_text.replace("\\", "\\\\").replace("\n", "\\n")
+            header = self._headers[name] = f"# HELP {name} {escaped}\n# TYPE {name} {kind}\n"
+        return header
+
+    def _labels(self, spec: Spec, key: tuple[str, ...]) -> str:
+        cache_key = (spec.name, key, self.model_name)
+        text = self._label_text.get(cache_key)
+        if text is None:
+            pairs = zip(("model_name", *spec.labels), (self.model_name, *key))
+            text = self._label_text[cache_key] = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+        return text
+
+    def _bucket_lines(self, name: str, spec: Spec, key: tuple[str, ...]) -> list[str]:
+        cache_key = (name, key, self.model_name, spec.buckets)
+        lines = self._bucket_text.get(cache_key)
+        if lines is None:
+            labels = self._labels(spec, key)
+            les = [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
+            lines = self._bucket_text[cache_key] = [f'{name}_bucket{{{labels},le="{le}"}} ' for le in les]
+        return lines
+
+    def _render_gauges(self, out: list[str]) -> None:
+        model = _escape(self.model_name)
         stats = self._stats() or p.EngineStats()
         for name, help_text, value in (
             (n.REQUESTS_RUNNING, "Sequences in the running batch", stats.num_running),
@@ -313,21 +346,21 @@ class ServerMetrics:
             (n.VLLM_WAITING, "Number of requests waiting to be processed.", stats.num_waiting),
             (n.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
         ):
-            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([model], value)
-            yield family
+            out.append(f'{self._header(name, help_text, "gauge")}{name}{{model_name="{model}"}} {float(value)!r}\n')
         ready = self.ready
         if ready is None:
             return
-        info = {"model_name": model, "block_size": str(ready.block_size), "num_gpu_blocks": str(ready.num_blocks),
-                "enable_prefix_caching": str(self.enable_prefix_caching),
-                "num_scheduler_steps": str(ready.num_scheduler_steps)}
-        family = GaugeMetricFamily(n.VLLM_CACHE_CONFIG, "Information of the KV cache configuration (value 1).",
-                                   labels=list(info))
-        family.add_metric(list(info.values()), 1.0)
-        yield family
+        info = {"model_name": self.model_name, "block_size": ready.block_size, "num_gpu_blocks": ready.num_blocks,
+                "enable_prefix_caching": self.enable_prefix_caching,
+                "num_scheduler_steps": ready.num_scheduler_steps}
+        labels = ",".join(f'{k}="{_escape(str(v))}"' for k, v in info.items())
+        out.append(f"{self._header(n.VLLM_CACHE_CONFIG, 'Information of the KV cache configuration (value 1).', 'gauge')}"
+                   f"{n.VLLM_CACHE_CONFIG}{{{labels}}} 1.0\n")
         method = "cuda_events" if ready.device.startswith("cuda") else "host_clock"
-        family = GaugeMetricFamily(n.STEP_TIMER_INFO, "How step durations and gaps are timed (value 1): "
-                                   "cuda_events on the compute stream, or host_clock", labels=["model_name", "method"])
-        family.add_metric([model, method], 1.0)
-        yield family
+        help_text = "How step durations and gaps are timed (value 1): cuda_events on the compute stream, or host_clock"
+        out.append(f'{self._header(n.STEP_TIMER_INFO, help_text, "gauge")}'
+                   f'{n.STEP_TIMER_INFO}{{model_name="{model}",method="{method}"}} 1.0\n')
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

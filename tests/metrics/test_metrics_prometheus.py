@@ -103,7 +103,7 @@ def traffic(server, prometheus):
 
 
 def _range(seconds: float) -> str:
-    return f"{int(math.ceil(seconds * 1000))}ms"
+    return f"{math.ceil(seconds * 1000)}ms"
 
 
 def test_promql_tokens_per_second_agrees_with_the_client(prometheus, traffic):

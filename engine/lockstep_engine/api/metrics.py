@@ -1,9 +1,9 @@
 """The engine server's Prometheus registry: one module, so every metric is declared in one place.
 
-`lockstep_engine.metrics.ServerMetrics` is the engine's collector (step timing from the core's
+`lockstep_engine.metrics.ServerMetrics` renders the engine's series (step timing from the core's
 snapshots, request latencies and token counts observed here, scheduler gauges, and vLLM's routing
-names with vLLM's `model_name` label); this module owns the registry and the few hooks the API server
-calls. Everything is rendered from state at scrape time (no polling loop).
+names with vLLM's `model_name` label); this module holds it, a registry for the API server's own
+histograms, and the few hooks the API server calls. Everything is rendered from state at scrape time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 ENGINE = ServerMetrics()
-REGISTRY.register(ENGINE)
 
 # 1-2-5 buckets from 10 us to 1 s: IPC and per-token host work on the API side.
 _FAST_BUCKETS = tuple(m * 10.0 ** e for e in range(-5, 0) for m in (1, 2, 5)) + (1.0,)
@@ -67,4 +66,4 @@ def unregister(collector: ServerMetrics) -> None:
 
 
 def render() -> bytes:
-    return generate_latest(REGISTRY)
+    return ENGINE.render().encode() + generate_latest(REGISTRY)
