@@ -19,6 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 import lockstep
 from lockstep_gateway.auth import KeyChecker, load_keys
@@ -221,7 +222,8 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
         return endpoint
 
     for path, route in PROXIED_ROUTES.items():
-        app.add_api_route(path, proxied(route), methods=["POST"], include_in_schema=False)
+        # A plain Starlette route: FastAPI's dependency solving would only add per-request cost here.
+        app.router.routes.append(Route(path, proxied(route), methods=["POST"]))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
