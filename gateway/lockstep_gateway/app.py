@@ -128,7 +128,7 @@ class Gateway:
         if not self.keys.enabled and "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]  # the engine may check its own key
         session = session_key(request.headers, payload, self.config.session_header)
-        return Job(request.url.path, route, body, payload, model, headers, session, rate_key, estimate)
+        return Job(request.url.path, route, body, model, headers, session, rate_key, estimate)
 
     def _authenticate(self, request: Request) -> str:
         """The rate-limit key: the API key's id, or the client address when keys are off."""

@@ -38,7 +38,6 @@ class Job:
     path: str
     route: str
     body: bytes
-    payload: dict
     model: str
     headers: dict[str, str]  # to send upstream
     session: str | None
@@ -151,7 +150,7 @@ class Proxy:
                 raise self._fail(engine, "retried", f"status {response.status_code}")
             chunks = response.aiter_raw()
             remaining = max(cfg.first_byte_timeout_s - (time.monotonic() - started), 0.001)
-            first = await self._next(chunks, remaining, engine, before_first_byte=True)
+            first = await self._next(chunks, remaining, engine)
             metrics.upstream_latency.labels(job.route, "first_byte").observe(time.monotonic() - started)
             content_type = response.headers.get("content-type", "application/json")
             if content_type.startswith("text/event-stream"):
@@ -162,7 +161,7 @@ class Proxy:
             parts = [first or b""]
             if first is not None:
                 # A plain JSON answer is read whole: a failure before its end can still be retried.
-                while (part := await self._next(chunks, cfg.idle_timeout_s, engine, before_first_byte=True)) is not None:
+                while (part := await self._next(chunks, cfg.idle_timeout_s, engine)) is not None:
                     parts.append(part)
             body = b"".join(parts)
             metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
@@ -181,20 +180,17 @@ class Proxy:
         self.metrics.upstream_requests.labels(engine, outcome).inc()
         return _Retry(reason)
 
-    async def _next(self, chunks, timeout: float, engine: str, before_first_byte: bool) -> bytes | None:
-        """The next raw chunk within `timeout`; None at the end of the body."""
+    async def _next(self, chunks, timeout: float, engine: str) -> bytes | None:
+        """The next raw chunk within `timeout`, before anything reached the client (so a failure is
+        retryable); None at the end of the body."""
         try:
             return await asyncio.wait_for(chunks.__anext__(), timeout)
         except StopAsyncIteration:
             return None
         except (asyncio.TimeoutError, httpx.TimeoutException):
-            if before_first_byte:
-                raise self._fail(engine, "timeout", "first_byte_timeout") from None
-            raise
+            raise self._fail(engine, "timeout", "first_byte_timeout") from None
         except httpx.HTTPError as error:
-            if before_first_byte:
-                raise self._fail(engine, "error", f"upstream: {type(error).__name__}") from None
-            raise
+            raise self._fail(engine, "error", f"upstream: {type(error).__name__}") from None
 
     async def _relay(self, backend: Backend, job: Job, response: httpx.Response, chunks, first: bytes | None,
                      started: float):
