@@ -126,13 +126,13 @@ class LeaderRunner:
     def __setattr__(self, name, value):
         setattr(self._runner, name, value)
 
-    def _check_workers(self) -> None:
+    def check_workers(self) -> None:
         dead = [w.pid for w in self._workers if w.poll() is not None]
         if dead:
             raise GroupError(f"engine group worker process(es) {dead} exited")
 
     def execute_window(self, plan, on_step, continuing: bool = False):
-        self._check_workers()
+        self.check_workers()
         try:
             dist.broadcast_object_list([("window", plan)], src=0)
         except RuntimeError as error:

@@ -162,6 +162,9 @@ class CoreLoop:
                 self._add(message)
             self._deferred = []
             self._drain(block=not self.core.has_unfinished(), in_window=False)
+            check_group = getattr(self.core.runner, "check_workers", None)
+            if check_group is not None:
+                check_group()  # a lost rank of the engine group fails the core, idle or not
             self.progress_at = time.monotonic()
             if self._stopping:
                 break
@@ -184,14 +187,15 @@ def _build_core(config):
     """Loads the model; returns the core, the tokenizer (or None) and whether guided decoding works."""
     from lockstep_engine import guided
     from lockstep_engine.engine_core import EngineCore
-    from lockstep_engine.model_runner import ModelRunner
+    from lockstep_engine.distributed import create_runner, world_size
     from lockstep_engine.sources import log, resolve
 
     source = resolve(config.model, seed=config.seed)
     config = config.with_model_limits(source.config.max_position_embeddings)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
-    runner = ModelRunner(config, source)
-    has_guides = guided.install(runner, tokenizer)
+    runner = create_runner(config, source)  # with TP/PP: the group's leader, local workers spawned
+    # Grammar masks are built on the host of one rank only: guided decoding needs a single rank.
+    has_guides = guided.install(runner, tokenizer) if world_size(config) == 1 else False
     if tokenizer is not None:
         log("guided decoding: llguidance" if has_guides else "guided decoding: unavailable (pip install llguidance)")
     return EngineCore(config, runner), tokenizer, has_guides

@@ -98,8 +98,6 @@ def parse_args(argv: list[str]):
         config = engine_config_from_args(args)
     except ConfigError as error:
         parser.error(str(error))
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        parser.error("--tensor-parallel-size/--pipeline-parallel-size > 1 are not served yet (issue 5)")
     for name in ("port", "max_request_body_bytes"):
         if getattr(args, name) < (0 if name == "port" else 1):
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
