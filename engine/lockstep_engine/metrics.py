@@ -151,7 +151,7 @@ class CoreMetrics:
         self.changed = True
 
     def _gap(self, phase: str, boundary: str, seconds: float) -> None:
-        seconds = max(seconds, 0.0)  # CUDA event pairs can read a hair below zero when adjacent
+        seconds = max(seconds, 0.0)  # timer rounding must never make a negative observation
         self.series.observe(n.STEP_GAP, (phase, boundary), seconds)
         self.series.inc(n.GPU_IDLE, (phase,), seconds)
 
