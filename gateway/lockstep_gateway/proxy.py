@@ -127,8 +127,7 @@ class Proxy:
         cfg = self.config
         metrics = self.metrics
         engine = backend.url
-        backend.in_flight += 1
-        metrics.upstream_in_flight.labels(engine).inc()
+        self._track(backend, +1)
         handed_off = False
         response = None
         started = time.monotonic()
@@ -173,8 +172,12 @@ class Proxy:
             if not handed_off:
                 if response is not None:
                     await _close(response)
-                backend.in_flight -= 1
-                metrics.upstream_in_flight.labels(engine).dec()
+                self._track(backend, -1)
+
+    def _track(self, backend: Backend, delta: int) -> None:
+        backend.in_flight += delta
+        if self.registry.backends.get(backend.url) is backend:  # a forgotten engine has no series any more
+            self.metrics.upstream_in_flight.labels(backend.url).inc(delta)
 
     def _fail(self, engine: str, outcome: str, reason: str) -> _Retry:
         self.metrics.upstream_requests.labels(engine, outcome).inc()
@@ -233,8 +236,7 @@ class Proxy:
         finally:
             metrics.upstream_requests.labels(engine, outcome).inc()
             metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
-            backend.in_flight -= 1
-            metrics.upstream_in_flight.labels(engine).dec()
+            self._track(backend, -1)
             await _close(response)
 
     # ---- token accounting ---------------------------------------------------------------------------
