@@ -11,10 +11,12 @@ are pure functions; `KubernetesDiscovery` is the thin I/O shell around them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
 import ssl
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,11 +151,28 @@ class KubeAPI:
         if cluster.get("insecure-skip-tls-verify"):
             verify: ssl.SSLContext | bool = False
         else:
-            verify = ssl.create_default_context(cafile=cluster.get("certificate-authority"))
-            if user.get("client-certificate"):
-                verify.load_cert_chain(user["client-certificate"], user.get("client-key"))
+            ca_data = cluster.get("certificate-authority-data")
+            verify = ssl.create_default_context(cafile=cluster.get("certificate-authority"),
+                                                cadata=base64.b64decode(ca_data).decode() if ca_data else None)
+            certificate, key = _user_file(user, "client-certificate"), _user_file(user, "client-key")
+            if certificate:
+                verify.load_cert_chain(certificate, key)
         token_file = Path(user["tokenFile"]) if user.get("tokenFile") else None
         return cls(cluster["server"], verify, user.get("token"), token_file)
+
+
+def _user_file(user: dict[str, Any], name: str) -> str | None:
+    """A kubeconfig credential as a file path: `name` itself, or `name-data` (base64) written to a
+    private temporary file, since `ssl` loads client certificates from files only."""
+    if user.get(name):
+        return user[name]
+    data = user.get(f"{name}-data")
+    if not data:
+        return None
+    handle, path = tempfile.mkstemp(prefix="lockstep-kube-")
+    with os.fdopen(handle, "wb") as out:
+        out.write(base64.b64decode(data))
+    return path
 
 
 class KubernetesDiscovery:

@@ -217,3 +217,27 @@ def test_engines_are_discovered_from_endpointslices_of_a_real_api_server(control
         kubectl("delete", "pod", "svc-g0-0", "--wait=false")  # held by the finalizer: terminating
         wait_for("the terminating engine to leave", lambda: gateway.engines() == {}, timeout=30)
         kubectl("patch", "pod", "svc-g0-0", "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
+
+
+def test_kubeconfig_credentials_inline_or_as_files(tmp_path):
+    import base64
+    import ssl
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=t",
+                    "-keyout", "key.pem", "-out", "cert.pem"], cwd=tmp_path, check=True, capture_output=True)
+    data = {name: base64.b64encode((tmp_path / f"{name}.pem").read_bytes()).decode() for name in ("cert", "key")}
+    config = {"current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+              "clusters": [{"name": "k", "cluster": {"server": "https://10.0.0.1:6443",
+                                                     "certificate-authority-data": data["cert"]}}],
+              "users": [{"name": "u", "user": {"client-certificate-data": data["cert"],
+                                               "client-key-data": data["key"]}}]}
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps(config))
+    api = KubeAPI.from_kubeconfig(str(path))
+    assert api.server == "https://10.0.0.1:6443" and isinstance(api.verify, ssl.SSLContext)
+    assert api.headers() == {}
+    config["users"][0]["user"] = {"token": "abc"}
+    config["clusters"][0]["cluster"] = {"server": "https://10.0.0.1:6443",
+                                        "certificate-authority": str(tmp_path / "cert.pem")}
+    path.write_text(json.dumps(config))
+    assert KubeAPI.from_kubeconfig(str(path)).headers() == {"Authorization": "Bearer abc"}
