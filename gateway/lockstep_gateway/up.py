@@ -192,6 +192,7 @@ class Stack:
             code = await engine.wait()
             if self.stopping.is_set():
                 return
+            engine.kill_group()  # what the dead API server leaves behind (its engine core) goes too
             if not engine.was_ready:
                 say(f"engine {engine.index} exited with code {code} while loading; stopping")
                 self.exit_code = code or 1

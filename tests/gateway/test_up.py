@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 from conftest import ENGINE_START_TIMEOUT_S, MODEL, REPO, free_port, wait_for
@@ -30,14 +32,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_up_serves_through_the_gateway_and_ctrl_c_leaves_no_process_behind(tmp_path):
+def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind(tmp_path):
     port = free_port()
     log_path = tmp_path / "up.log"
     with open(log_path, "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "up", MODEL, "--replicas", "2", "--port", str(port),
-                               "--kv-cache-memory-bytes", str(64 << 20), "--num-scheduler-steps", "4"],
+        up = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "up", MODEL, "--replicas", "2",
+                               "--port", str(port), "--kv-cache-memory-bytes", str(64 << 20),
+                               "--num-scheduler-steps", "4"],
                               stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                              env={**__import__("os").environ, "LOCKSTEP_CPU_THREADS": "1"})
+                              env={**os.environ, "LOCKSTEP_CPU_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         def ready():
@@ -49,6 +52,15 @@ def test_up_serves_through_the_gateway_and_ctrl_c_leaves_no_process_behind(tmp_p
         assert response.status_code == 200 and response.json()["model"] == MODEL
         processes = _descendants(up.pid)
         assert len(processes) >= 4  # two API servers and their engine cores
+
+        crashed = min(p for p in processes if b"\0serve\0" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(crashed, signal.SIGKILL)  # an engine crashes: `up` starts it again, the gateway readmits it
+        wait_for("the crashed engine to be ejected",
+                 lambda: httpx.get(url + "/health", timeout=2).json()["healthy_engines"] == 1, timeout=30)
+        wait_for("the restarted engine to be readmitted", ready, timeout=ENGINE_START_TIMEOUT_S, interval=0.2)
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
+        assert response.status_code == 200
+        processes |= _descendants(up.pid)
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         wait_for("every engine process to exit", lambda: not any(_alive(p) for p in processes), timeout=15)
@@ -58,4 +70,4 @@ def test_up_serves_through_the_gateway_and_ctrl_c_leaves_no_process_behind(tmp_p
             up.wait()
     output = log_path.read_text()
     assert "[engine 0] [lockstep] loading weights" in output and "[engine 1]" in output
-    assert "ready: OpenAI API at" in output and "stopped" in output
+    assert "ready: OpenAI API at" in output and "restarting it" in output and "stopped" in output
