@@ -1,1 +1,1 @@
-"""The engine's OpenAI-compatible HTTP server (API process side); imports FastAPI only in `app`."""
+"""The engine's OpenAI-compatible HTTP server, API-process side (FastAPI/Starlette live in app, serving, errors)."""
