@@ -131,7 +131,11 @@ class Registry:
     async def _check_loop(self, backend: Backend) -> None:
         self.metrics.upstream_healthy.labels(backend.url).set(0)
         while True:
-            await self.check(backend)
+            try:
+                await self.check(backend)
+            except Exception as error:  # noqa: BLE001 - a dead check loop would keep a dead engine admitted
+                log.exception("health check of %s failed unexpectedly", backend.url)
+                self._fail(backend, f"health check error: {type(error).__name__}", definitive=False)
             await asyncio.sleep(self.config.health_check_interval_s)
 
     async def check(self, backend: Backend) -> None:
@@ -165,7 +169,10 @@ class Registry:
 
     async def _scrape_loop(self, backend: Backend) -> None:
         while True:
-            await self.scrape(backend)
+            try:
+                await self.scrape(backend)
+            except Exception:  # noqa: BLE001 - keep scraping; stale load is ignored meanwhile
+                log.exception("scraping the load of %s failed unexpectedly", backend.url)
             await asyncio.sleep(self.config.metrics_interval_s)
 
     async def scrape(self, backend: Backend) -> None:

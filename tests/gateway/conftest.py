@@ -138,7 +138,10 @@ class Gateway(Process):
                 raise RuntimeError(f"gateway exited:\n{self.log_tail()}")
             return {url for url, e in self.engines().items() if e["healthy"]} == healthy
 
-        wait_for(f"gateway to see exactly {sorted(healthy)} healthy", ready, timeout=timeout)
+        try:
+            wait_for(f"gateway to see exactly {sorted(healthy)} healthy", ready, timeout=timeout)
+        except AssertionError as error:
+            raise AssertionError(f"{error}\nengines: {self.engines()}\ngateway log:\n{self.log_tail()}") from None
 
     def metric(self, name: str, **labels: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text
