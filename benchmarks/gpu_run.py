@@ -17,6 +17,7 @@ import traceback
 import torch
 
 from lockstep.bench.workload import make_workload
+from lockstep_engine.config import num_scheduler_steps_arg
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 
@@ -208,7 +209,7 @@ def main() -> int:
     parser.add_argument("--model", default="random:llama-3-8b")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--peer-prompts", type=int, default=200)
-    parser.add_argument("--steps", nargs="+", default=["1", "8", "auto"])
+    parser.add_argument("--steps", type=num_scheduler_steps_arg, nargs="+", default=[1, 8, "auto"])
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -242,8 +243,7 @@ def main() -> int:
         log(f"greedy match: {RESULTS['greedy_match_triton_vs_torch']}")
     RESULTS["runs"] = {}
     for n in args.steps:
-        steps = n if n == "auto" else int(n)
-        llm = LLM(args.model, share_model_with=base, num_scheduler_steps=steps, max_model_len=args.max_model_len,
+        llm = LLM(args.model, share_model_with=base, num_scheduler_steps=n, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         if llm.engine.runner.graphs is not None:
             llm.engine.runner.graphs.warmup(args.max_num_seqs)

@@ -6,6 +6,7 @@ No torch here: the scheduler and block manager read this too.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field, replace
 from typing import Literal, Union
 
@@ -38,6 +39,16 @@ def parse_num_scheduler_steps(value: Union[int, str]) -> Union[int, str]:
         "num_scheduler_steps", value, f"an integer in [1, {MAX_SCHEDULER_STEPS}] or 'auto'",
     )
     return value
+
+
+def num_scheduler_steps_arg(text: str) -> Union[int, str]:
+    """argparse `type=` for `--num-scheduler-steps`; argparse puts the flag's name before the message."""
+    try:
+        return parse_num_scheduler_steps(text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: expected an integer in [1, {MAX_SCHEDULER_STEPS}] or 'auto'"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 import pytest
 
 from lockstep_engine.config import ConfigError, EngineConfig
+from lockstep_engine.entrypoints import bench_throughput, generate, serve
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
 from lockstep_engine.sources import ModelSourceError, resolve
 
@@ -47,6 +48,24 @@ def test_engine_config_errors(kwargs, field):
 def test_auto_steps_accepted():
     assert EngineConfig(model="random:tiny", num_scheduler_steps="auto").is_adaptive
     assert EngineConfig(model="random:tiny", num_scheduler_steps="16").num_scheduler_steps == 16
+
+
+@pytest.mark.parametrize("build_parser, argv", [
+    (serve.build_parser, ["smollm2", "--num-scheduler-steps", "many"]),
+    (generate.build_parser, ["smollm2", "--prompt", "hi", "--num-scheduler-steps", "many"]),
+    (bench_throughput._parser, ["smollm2", "--num-scheduler-steps", "8", "many"]),
+])
+def test_num_scheduler_steps_flag_error_names_flag_value_and_range(build_parser, argv, capsys):
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(argv)
+    assert caught.value.code == 2
+    assert "error: argument --num-scheduler-steps: 'many' is invalid: expected an integer in [1, 64] or 'auto'" \
+        in capsys.readouterr().err
+
+
+def test_num_scheduler_steps_flag_parses_counts_and_auto():
+    args = bench_throughput._parser().parse_args(["smollm2", "--num-scheduler-steps", "1", "16", "auto"])
+    assert args.num_scheduler_steps == [1, 16, "auto"]
 
 
 @pytest.mark.parametrize("spec, fragment", [

@@ -12,7 +12,7 @@ import sys
 import time
 
 from lockstep.bench.workload import make_workload
-from lockstep_engine.config import parse_num_scheduler_steps
+from lockstep_engine.config import num_scheduler_steps_arg
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", default="sharegpt-synth", choices=["sharegpt-synth"])
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-scheduler-steps", nargs="+", default=["1", "8"],
+    parser.add_argument("--num-scheduler-steps", type=num_scheduler_steps_arg, nargs="+", default=[1, 8],
                         help="window lengths to compare (integers or auto)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -90,7 +90,7 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    steps = [parse_num_scheduler_steps(s) for s in args.num_scheduler_steps]
+    steps = args.num_scheduler_steps
     common = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, device=args.device,
                   dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                   max_num_batched_tokens=args.max_num_batched_tokens)

@@ -6,14 +6,7 @@ import argparse
 import json
 import sys
 
-from lockstep_engine.config import ConfigError, parse_num_scheduler_steps
-
-
-def _steps(text: str):
-    try:
-        return parse_num_scheduler_steps(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+from lockstep_engine.config import ConfigError, num_scheduler_steps_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--num-scheduler-steps", type=_steps, default=8)
+    parser.add_argument("--num-scheduler-steps", type=num_scheduler_steps_arg, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])

@@ -16,16 +16,9 @@ import signal
 import sys
 from dataclasses import fields
 
-from lockstep_engine.config import ConfigError, EngineConfig, parse_num_scheduler_steps
+from lockstep_engine.config import ConfigError, EngineConfig, num_scheduler_steps_arg
 
 DEFAULT_PORT = 8000
-
-
-def _steps(text: str):
-    try:
-        return parse_num_scheduler_steps(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     engine = parser.add_argument_group("engine (vLLM's names)")
-    engine.add_argument("--num-scheduler-steps", type=_steps, default=8, help="decode steps per window, or 'auto'")
+    engine.add_argument("--num-scheduler-steps", type=num_scheduler_steps_arg, default=8,
+                        help="decode steps per window, or 'auto'")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     engine.add_argument("--max-num-seqs", type=int, default=256)
