@@ -1,0 +1,314 @@
+"""Window plans for engine groups as deltas: the leader encodes, each worker keeps mirror sequences.
+
+Pickling a `WindowPlan` sends every row's whole `Sequence` and `Request` (all tokens, siblings,
+logprobs) on every window: bytes grow with the total context. Here the leader sends a request once
+(prompt, sampling params, seed) and a sequence's tokens once; afterwards a window's message holds
+per row only what changed since the last message that carried that sequence, plus the row fields.
+Workers apply the deltas to mirror `Request`/`Sequence` objects and get back a real `WindowPlan`, so
+the model runner runs it unchanged. A sequence's tokens are assumed to only grow on the leader (the
+scheduler and the engine core only append); a list that was replaced or shortened is resent whole.
+Plain Python, no torch.
+
+Leader (one encoder per engine group, for the group's lifetime)::
+
+    encoder = PlanEncoder()
+    data = encoder.encode(plan)           # before every window; send `data` to every worker
+    data = encoder.encode_releases()      # optional, when the engine goes idle: None or a message
+
+Worker (one decoder per rank)::
+
+    decoder = PlanDecoder()
+    plan = decoder.decode(data)           # None for a release-only message: nothing to run
+    if plan is not None:
+        runner.execute_window(plan, on_step)
+
+Releasing needs no call from the leader: the encoder keeps a reference to each sequence it has
+sent, and the first message after that sequence finished (stop, length or abort; its status says
+so) tells workers to forget it; a request goes when its last sequence goes. Both sides therefore
+hold only sequences that were scheduled at least once and were unfinished at the last message.
+Those of the last window before the engine went idle stay until the next message: send
+`encode_releases()` when idle to drop them at once.
+
+Every message carries its number. A decoder accepts only the next one, so a worker that missed a
+message, joined late or outlived its leader's encoder raises `PlanCodecError` (a ValueError naming
+the sequence and what disagreed) instead of running on stale mirrors. A message that fails to load
+changes nothing; one that fails while being applied leaves the decoder refusing every later message,
+and an encoder that failed mid-plan refuses to encode again. Recovery is a new group: a fresh
+`PlanEncoder` on the leader and a fresh `PlanDecoder` on every worker, started together. The
+encoder records each message as delivered: a message it produced must reach every worker.
+
+What the mirrors hold: per request `request_id`, `prompt_token_ids`, `params`, `max_model_len`,
+`seed` and `forked` (siblings of an n > 1 request share one mirror `Request`, whose `sequences` are
+the mirrored siblings in index order); per sequence `index`, `token_ids`, `block_ids`, and, as of
+the latest window, `status` RUNNING and `num_computed` = the row's `start_computed`. That is what
+the model runner and guided decoding read; a guided matcher set on a mirror sequence stays with it.
+Logprobs, prefix-cache hashes and timings stay on the leader.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+from lockstep_engine.scheduler import ScheduledSeq, WindowPlan
+from lockstep_engine.sequence import Request, Sequence, SequenceStatus
+
+FORMAT = "lockstep-plan/1"
+Key = tuple[str, int]  # (request_id, index of the sequence within its request)
+
+
+class PlanCodecError(ValueError):
+    """A plan message that cannot be encoded or applied; the text names the key and what disagreed."""
+
+
+# ---- leader -----------------------------------------------------------------------------------
+@dataclass
+class _SentSequence:
+    seq: Sequence
+    token_ids: list[int]  # the leader's list object when last sent; a different object forces a resend
+    num_tokens: int  # leading tokens the mirror holds
+    last_token: int | None  # token_ids[num_tokens - 1] when last sent
+    block_ids: list[int]  # copy of the mirror's block list
+
+
+@dataclass
+class _SentRequest:
+    request: Request
+    forked: bool  # as the mirror has it
+    num_sequences: int  # sequences of this request the workers mirror
+
+
+class PlanEncoder:
+    """Leader side: turns each `WindowPlan` into a message of deltas against the workers' mirrors."""
+
+    def __init__(self) -> None:
+        self._sequences: dict[Key, _SentSequence] = {}
+        self._requests: dict[str, _SentRequest] = {}
+        self._next_message: int | None = 0  # None after an error: the mirrors may not match any more
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def encode(self, plan: WindowPlan) -> bytes:
+        """The message for one window; every message must reach every worker, in order."""
+        number = self._take_number()
+        released = self._release_finished()
+        new_requests: list[tuple] = []
+        forks: list[tuple[str, bool]] = []
+        rows = [self._encode_row(row, new_requests, forks) for row in plan.rows]
+        return self._message(number, released, new_requests, forks, rows, (plan.num_steps, plan.block_copies))
+
+    def encode_releases(self) -> bytes | None:
+        """A message that only forgets finished sequences, or None when there is nothing to forget."""
+        if not any(sent.seq.is_finished for sent in self._sequences.values()):
+            return None
+        number = self._take_number()
+        return self._message(number, self._release_finished(), [], [], [], None)
+
+    def _take_number(self) -> int:
+        number = self._next_message
+        if number is None:
+            raise PlanCodecError("an earlier plan failed to encode after its deltas were recorded, so the workers' "
+                                 "mirrors no longer match; restart the engine group")
+        self._next_message = None  # until the message is complete
+        return number
+
+    def _message(self, number: int, released, new_requests, forks, rows, window) -> bytes:
+        # Plain tuples, lists and ints (and the requests' SamplingParams): a window of decodes pickles
+        # to about a hundred bytes a row. `window` is (num_steps, block_copies), None for release-only.
+        data = pickle.dumps((FORMAT, number, released, new_requests, forks, rows, window),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        self._next_message = number + 1
+        return data
+
+    def _release_finished(self) -> list[Key]:
+        released = [key for key, sent in self._sequences.items() if sent.seq.is_finished]
+        for key in released:
+            del self._sequences[key]
+            request = self._requests[key[0]]
+            request.num_sequences -= 1
+            if not request.num_sequences:
+                del self._requests[key[0]]
+        return released
+
+    def _encode_row(self, row: ScheduledSeq, new_requests: list[tuple], forks: list[tuple[str, bool]]) -> tuple:
+        seq, request = row.seq, row.seq.request
+        key = (request.request_id, seq.index)
+        sent = self._sequences.get(key)
+        is_new = sent is None
+        if is_new:
+            sent = self._track(key, seq, new_requests)
+        elif sent.seq is not seq:
+            raise PlanCodecError(f"sequence {key}: two unfinished sequences share this key")
+        mirror = self._requests[request.request_id]
+        if mirror.forked != request.forked:
+            mirror.forked = request.forked
+            forks.append((request.request_id, request.forked))
+        token_keep, new_tokens = _token_delta(sent)
+        block_keep, new_blocks = _block_delta(sent)
+        # The layout `PlanDecoder._apply_row` takes.
+        return (request.request_id, seq.index, is_new, token_keep, new_tokens, block_keep, new_blocks,
+                row.num_new_tokens, row.samples, row.max_steps, row.start_computed)
+
+    def _track(self, key: Key, seq: Sequence, new_requests: list[tuple]) -> _SentSequence:
+        request = seq.request
+        mirror = self._requests.get(request.request_id)
+        if mirror is None:
+            mirror = self._requests[request.request_id] = _SentRequest(request, request.forked, 0)
+            new_requests.append((request.request_id, request.prompt_token_ids, request.params,
+                                 request.max_model_len, request.seed, request.forked))
+        elif mirror.request is not request:
+            raise PlanCodecError(f"sequence {key}: two unfinished requests share request_id {request.request_id!r}")
+        mirror.num_sequences += 1
+        self._sequences[key] = sent = _SentSequence(seq, seq.token_ids, 0, None, [])
+        # A new mirror starts as its prompt, which went with the request: send only the rest.
+        prompt = request.prompt_token_ids
+        if prompt and seq.token_ids[:len(prompt)] == prompt:
+            sent.num_tokens, sent.last_token = len(prompt), prompt[-1]
+        return sent
+
+
+def _token_delta(sent: _SentSequence) -> tuple[int, list[int]]:
+    """(tokens the mirror keeps, tokens it appends). Token lists only grow on the leader, so the
+    list object, its length and the last token sent are checked, not the whole context."""
+    tokens, keep = sent.seq.token_ids, sent.num_tokens
+    if tokens is not sent.token_ids or len(tokens) < keep or (keep and tokens[keep - 1] != sent.last_token):
+        keep = 0
+    sent.token_ids, sent.num_tokens = tokens, len(tokens)
+    sent.last_token = tokens[-1] if tokens else None
+    return keep, tokens[keep:]
+
+
+def _block_delta(sent: _SentSequence) -> tuple[int, list[int]]:
+    """(blocks the mirror keeps, blocks it appends). Block lists change in place: a copy-on-write
+    replaces one, preemption frees them all, so the common prefix is computed (lists are short)."""
+    blocks, old = sent.seq.block_ids, sent.block_ids
+    keep = len(old)
+    if blocks[:keep] != old:
+        keep = next((i for i, (a, b) in enumerate(zip(old, blocks)) if a != b), min(len(old), len(blocks)))
+    sent.block_ids = list(blocks)
+    return keep, blocks[keep:]
+
+
+# ---- worker -----------------------------------------------------------------------------------
+class PlanDecoder:
+    """Worker side: applies each message to mirror sequences and returns the window to run."""
+
+    def __init__(self) -> None:
+        self._sequences: dict[Key, Sequence] = {}
+        self._requests: dict[str, Request] = {}
+        self._next_message: int | None = 0  # None after an error: the mirrors cannot be trusted
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def decode(self, data: bytes) -> WindowPlan | None:
+        """The window of this message (its sequences are the mirrors), or None for a release-only message."""
+        number, body = self._open(data)
+        self._next_message = None
+        try:
+            plan = self._apply(*body)
+        except PlanCodecError:
+            raise
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as error:
+            raise PlanCodecError(f"plan message {number} is malformed: {error!r}") from error
+        self._next_message = number + 1
+        return plan
+
+    def _open(self, data: bytes) -> tuple[int, tuple]:
+        if self._next_message is None:
+            raise PlanCodecError("an earlier plan message failed, so this worker's mirrors cannot be trusted; "
+                                 "restart the engine group")
+        try:
+            message = pickle.loads(data)
+        except Exception as error:  # unpickling bad bytes raises almost anything
+            raise PlanCodecError(f"plan message is not a valid pickle: {error!r}") from error
+        if not (isinstance(message, tuple) and len(message) == 7 and message[0] == FORMAT
+                and isinstance(message[1], int)):
+            raise PlanCodecError(f"plan message is not a {FORMAT} message: {str(message)[:80]}")
+        if message[1] != self._next_message:
+            raise PlanCodecError(f"plan message {message[1]} arrived where {self._next_message} was expected: this "
+                                 f"worker missed messages or joined late; restart the engine group")
+        return message[1], message[2:]
+
+    def _apply(self, released, new_requests, forks, rows, window) -> WindowPlan | None:
+        for key in released:
+            self._release(tuple(key))
+        for record in new_requests:
+            self._add_request(*record)
+        for request_id, forked in forks:
+            self._mirror_request(request_id, "a fork flag").forked = forked
+        scheduled = [self._apply_row(*row) for row in rows]
+        for record in new_requests:
+            if not self._requests[record[0]].sequences:
+                raise PlanCodecError(f"request {record[0]!r} was sent without any of its sequences")
+        if window is None:
+            return None
+        num_steps, block_copies = window
+        return WindowPlan(rows=scheduled, num_steps=num_steps, block_copies=block_copies)
+
+    def _mirror_request(self, request_id: str, what: str) -> Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise PlanCodecError(f"request {request_id!r}: {what} arrived for a request this worker does not mirror")
+        return request
+
+    def _release(self, key: Key) -> None:
+        seq = self._sequences.pop(key, None)
+        if seq is None:
+            raise PlanCodecError(f"sequence {key}: released, but this worker does not mirror it")
+        request = seq.request
+        request.sequences.remove(seq)
+        if not request.sequences:
+            del self._requests[request.request_id]
+
+    def _add_request(self, request_id, prompt_token_ids, params, max_model_len, seed, forked) -> None:
+        if request_id in self._requests:
+            raise PlanCodecError(f"request {request_id!r}: sent as new, but this worker already mirrors it")
+        request = Request(request_id, prompt_token_ids, params, max_model_len, seed)
+        request.sequences.clear()  # Request() made a first sequence; mirrors are added by key
+        request.forked = forked
+        self._requests[request_id] = request
+
+    def _add_sequence(self, key: Key) -> Sequence:
+        if key in self._sequences:
+            raise PlanCodecError(f"sequence {key}: sent as new, but this worker already mirrors it")
+        request_id, index = key
+        request = self._mirror_request(request_id, f"new sequence {index}")
+        seq = Sequence(request=request, token_ids=list(request.prompt_token_ids), index=index)
+        position = sum(sibling.index < index for sibling in request.sequences)
+        request.sequences.insert(position, seq)
+        self._sequences[key] = seq
+        return seq
+
+    def _apply_row(self, request_id, index, is_new, token_keep, new_tokens, block_keep, new_blocks,
+                   num_new_tokens, samples, max_steps, start_computed) -> ScheduledSeq:
+        key = (request_id, index)
+        seq = self._add_sequence(key) if is_new else self._sequences.get(key)
+        if seq is None:
+            raise PlanCodecError(f"sequence {key}: a delta arrived for a sequence this worker does not mirror")
+        _apply_delta(key, "token_ids", seq.token_ids, token_keep, new_tokens)
+        _apply_delta(key, "block_ids", seq.block_ids, block_keep, new_blocks)
+        end = start_computed + num_new_tokens
+        if start_computed < 0 or num_new_tokens < 0 or end > seq.num_tokens:
+            raise PlanCodecError(f"sequence {key}: the row computes tokens [{start_computed}, {end}) but the "
+                                 f"mirror holds {seq.num_tokens}")
+        seq.status, seq.num_computed = SequenceStatus.RUNNING, start_computed
+        return ScheduledSeq(seq, num_new_tokens, samples, max_steps, start_computed)
+
+
+def _apply_delta(key: Key, field: str, values: list[int], keep: int, new: list[int]) -> None:
+    if not 0 <= keep <= len(values):
+        raise PlanCodecError(f"sequence {key}: the {field} delta keeps {keep} entries but the mirror holds "
+                             f"{len(values)}")
+    values[keep:] = new
