@@ -71,6 +71,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int | None = None  # micro-batches in flight per window with PP; None: one per stage
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False
     max_logprobs: int = 20
@@ -96,6 +97,9 @@ class EngineConfig:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", self.pipeline_parallel_size,
                  "an integer >= 1")
+        if self.pipeline_micro_batches is not None:
+            _require(1 <= self.pipeline_micro_batches <= 64, "pipeline_micro_batches", self.pipeline_micro_batches,
+                     "an integer in [1, 64]")
         _require(self.attention_backend in ("auto", "torch", "triton"), "attention_backend", self.attention_backend,
                  "one of auto, torch, triton")
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", self.max_logprobs, "an integer in [0, 100]")

@@ -20,7 +20,7 @@ import torch
 from lockstep_engine.attention import AttentionMetadata, make_backend
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.models.llama import LlamaForCausalLM
-from lockstep_engine.parallel import SINGLE, ParallelState, broadcast_from_sampler, pp_recv, pp_send
+from lockstep_engine.parallel import SINGLE, ParallelState, broadcast_from_sampler, pp_isend, pp_recv, pp_send
 from lockstep_engine.sampler import SampleOutput, Sampler, SamplingTensors, row_seed
 from lockstep_engine.scheduler import WindowPlan
 from lockstep_engine.sources import ModelSource, log
@@ -100,6 +100,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, source.config.dtype)
         self.state = state
+        # With pipeline stages a window runs as micro-batches in flight, one per stage by default.
+        self.micro_batches = config.pipeline_micro_batches or state.pp_size if state.pp_size > 1 else 1
         if self.device.type == "cpu":
             configure_cpu_threads()
         mc = source.config
@@ -259,27 +261,36 @@ class ModelRunner:
                 counts[index].index_add_(0, self._tensor(outputs), torch.ones(len(outputs), device=self.device))
         return counts
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        """This stage's layers; hidden states come from the previous stage and go to the next.
-        Returns the final hidden states on the last stage, None elsewhere."""
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 sends: list | None = None):
+        """This stage's layers; hidden states come from the previous stage and go to the next
+        (asynchronously when `sends` collects the pending sends). Returns the final hidden states on
+        the last stage, None elsewhere."""
         state = self.state
         hidden = None
         if not state.is_first_stage:
             hidden = pp_recv((input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device, state)
         hidden = self.model(input_ids, positions, meta, hidden)
         if not state.is_last_stage:
-            pp_send(hidden, state)
+            if sends is None:
+                pp_send(hidden, state)
+            else:
+                sends.append(pp_isend(hidden, state))
             return None
         return hidden
 
     def _sample(self, hidden, t: SamplingTensors, num_generated, counts, guide) -> SampleOutput:
         """Samples on the last stage; with pipeline stages every rank then adopts its tokens."""
-        state = self.state
-        rows = num_generated.shape[0]
-        if hidden is not None:
-            logits = self.model.compute_logits(hidden).float()
-            out = self.sampler(logits, t, num_generated, counts, guide.allowed_mask() if guide else None)
-        else:
+        out = self._sample_local(hidden, t, num_generated, counts, guide) if hidden is not None else None
+        return self._share_samples(out, t, num_generated.shape[0])
+
+    def _sample_local(self, hidden, t: SamplingTensors, num_generated, counts, guide) -> SampleOutput:
+        logits = self.model.compute_logits(hidden).float()
+        return self.sampler(logits, t, num_generated, counts, guide.allowed_mask() if guide else None)
+
+    def _share_samples(self, out: SampleOutput | None, t: SamplingTensors, rows: int) -> SampleOutput:
+        """With pipeline stages the last stage's samples go to every rank (`out` is None elsewhere)."""
+        if out is None:
             out = SampleOutput(tokens=torch.empty(rows, dtype=torch.int64, device=self.device))
             if t.num_logprobs >= 0:
                 out.logprobs = torch.empty(rows, dtype=torch.float32, device=self.device)
@@ -287,29 +298,23 @@ class ModelRunner:
                 if t.num_logprobs > 0:
                     out.top_logprobs = torch.empty(rows, t.num_logprobs, dtype=torch.float32, device=self.device)
                     out.top_ids = torch.empty(rows, t.num_logprobs, dtype=torch.int64, device=self.device)
-        if state.pp_size > 1:
+        if self.state.pp_size > 1:
             tensors = [out.tokens] + ([out.logprobs, out.ranks] if out.logprobs is not None else []) + \
                 ([out.top_logprobs, out.top_ids] if out.top_ids is not None else [])
-            broadcast_from_sampler(tensors, state)
+            broadcast_from_sampler(tensors, self.state)
         return out
 
     def _make_guide(self, rows) -> "Guide | None":
-        if not any(row.seq.request.params.json_schema is not None for row in rows):
+        """The window's grammar masks, on the ranks that sample (every rank of the last stage)."""
+        if not has_guided_rows(rows) or not self.state.is_last_stage:
             return None
         if self.guide_factory is None:
             raise ValueError("response_format: guided decoding is not available in this engine")
         return self.guide_factory(rows)
 
-    @torch.inference_mode()
-    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False) -> WindowTimings:
-        timings = WindowTimings()
-        started = time.perf_counter()
-        self.copy_blocks(plan.block_copies)
+    def _first_step(self, rows) -> "FirstStep":
+        """Step 1 of a window: every row's scheduled tokens, flattened, and its sampling rows."""
         bs = self.block_size
-        rows = plan.rows
-
-        # ---- step 1 inputs: every row's scheduled tokens, flattened ----
         input_ids, positions, slots, starts, seq_lens, sample_index = [], [], [], [0], [], []
         for row in rows:
             seq, begin = row.seq, row.start_computed
@@ -331,38 +336,58 @@ class ModelRunner:
         sampling_rows = [row for row in rows if row.samples]
         sample_sel = [i for i, row in enumerate(rows) if row.samples]
         t = self._sampling_tensors(sampling_rows) if sampling_rows else None
-        vocab = self.model_config.vocab_size
-        counts = self._output_counts(sampling_rows, vocab) if t is not None and t.presence is not None else None
-        num_generated = self._tensor([row.seq.num_output_tokens for row in sampling_rows])
+        counts = None
+        if t is not None and t.presence is not None:
+            counts = self._output_counts(sampling_rows, self.model_config.vocab_size)
+        return FirstStep(
+            input_ids=self._tensor(input_ids), positions=self._tensor(positions), meta=meta,
+            block_table=block_table, seq_lens=seq_lens_t, sample_index=self._tensor(sample_index),
+            sample_sel=self._tensor(sample_sel), sampling_rows=sampling_rows, sampling=t, counts=counts,
+            num_generated=self._tensor([row.seq.num_output_tokens for row in sampling_rows]),
+            max_dec_len=max((seq_lens[i] for i in sample_sel), default=0))
+
+    def _decode_state(self, first: "FirstStep", out: SampleOutput) -> "DecodeState":
+        """Device state of the decode steps after step 1, with step 1's samples fed back."""
+        sel = first.sample_sel
+        state = DecodeState(
+            tokens=out.tokens, positions=first.seq_lens[sel], table=first.block_table[sel],
+            done=torch.zeros(len(first.sampling_rows), dtype=torch.bool, device=self.device),
+            steps_done=torch.zeros(len(first.sampling_rows), dtype=torch.int64, device=self.device),
+            max_steps=self._tensor([row.max_steps for row in first.sampling_rows]),
+            num_generated=first.num_generated, sampling=first.sampling, counts=first.counts)
+        self._advance(state, out)
+        return state
+
+    @torch.inference_mode()
+    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
+                       continuing: bool = False) -> WindowTimings:
+        if self.micro_batches > 1 and len(plan.rows) > 1:
+            return self._execute_pipelined(plan, on_step, continuing)
+        timings = WindowTimings()
+        started = time.perf_counter()
+        self.copy_blocks(plan.block_copies)
+        first = self._first_step(plan.rows)
+        sampling_rows = first.sampling_rows
         timings.prepare_s = time.perf_counter() - started
 
         clock = StepClock(self.device, self._last_mark if continuing else None)
         clock.start()
-        hidden = self._forward(self._tensor(input_ids), self._tensor(positions), meta)
+        hidden = self._forward(first.input_ids, first.positions, first.meta)
         if not sampling_rows:
             clock.end()
             timings.forward_s, timings.gaps_s, timings.boundary_gap_s = clock.harvest()
             self._last_mark = clock.marks[-1]
             return timings
         guide = self._make_guide(sampling_rows)
-        selected = hidden[self._tensor(sample_index)] if hidden is not None else None
-        out = self._sample(selected, t, num_generated, counts, guide)
-
-        # ---- device state of the decode steps that follow ----
-        sel = self._tensor(sample_sel)
-        state = DecodeState(
-            tokens=out.tokens, positions=seq_lens_t[sel], table=block_table[sel],
-            done=torch.zeros(len(sampling_rows), dtype=torch.bool, device=self.device),
-            steps_done=torch.zeros(len(sampling_rows), dtype=torch.int64, device=self.device),
-            max_steps=self._tensor([row.max_steps for row in sampling_rows]),
-            num_generated=num_generated, sampling=t, counts=counts)
-        self._advance(state, out)
+        out = self._sample(hidden[first.sample_index] if hidden is not None else None, first.sampling,
+                           first.num_generated, first.counts, guide)
+        state = self._decode_state(first, out)
         clock.end()
-        max_dec_len = max(seq_lens[i] for i in sample_sel)
-        table_len = state.table.shape[1] * bs
+        table_len = state.table.shape[1] * self.block_size
         # Without a host consumer per step (guided rows, or the CPU where copies are free) the
         # whole window is launched without waiting; tokens reach the host as each step's copy lands.
-        stream_async = self.device.type == "cuda" and guide is None
+        # The choice depends on the plan only, so every rank of a group loops alike.
+        stream_async = self.device.type == "cuda" and not has_guided_rows(sampling_rows)
         outputs = StepStream(on_step, timings)
         outputs.push(1, state.emitted, out, sync=not stream_async)
         if guide is not None:
@@ -379,7 +404,7 @@ class ModelRunner:
                 graph.graph.replay()
                 emitted, out = graph.inputs["emitted"][:rows_n], None
             else:
-                out = self._decode_step(state, min(max_dec_len + step - 1, table_len), guide)
+                out = self._decode_step(state, min(first.max_dec_len + step - 1, table_len), guide)
                 self._advance(state, out)
                 emitted = state.emitted
             clock.end()
@@ -391,16 +416,107 @@ class ModelRunner:
         self._last_mark = clock.marks[-1]
         return timings
 
-    def _decode_step(self, state: "DecodeState", max_seq_len: int, guide) -> "SampleOutput":
-        """One decode step of every sampling row: forward, then sample. Inputs come from the device."""
+    def _execute_pipelined(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
+                           continuing: bool) -> WindowTimings:
+        """A window split into one micro-batch per pipeline stage, each running its own multi-step
+        window, interleaved so the stages work at once: while the last stage computes micro-batch
+        m at step k, the first stage computes micro-batch m+1. Hidden states go to the next stage
+        with asynchronous sends; a stage other than the last takes in micro-batch m's samples (a
+        broadcast from the last stage) only just before it needs them, at step k+1. Every rank walks
+        the same (step, micro-batch) order, so the broadcasts pair up without extra messages."""
+        timings = WindowTimings()
+        started = time.perf_counter()
+        self.copy_blocks(plan.block_copies)
+        parts = split_micro_batches(plan.rows, self.micro_batches, plan.num_steps)
+        batches = [MicroBatch(self._first_step(rows)) for rows in parts]
+        merger = StepMerger(on_step, [len(b.first.sampling_rows) for b in batches])
+        # The host needs each step's tokens before the next (guided rows; early exit on the CPU).
+        sync = self.device.type != "cuda" or has_guided_rows(plan.rows)
+        for index, batch in enumerate(batches):
+            batch.guide = self._make_guide(batch.first.sampling_rows)
+            batch.stream = StepStream(lambda out, index=index: merger.add(out.step, index, out), timings)
+            batch.table_len = batch.first.block_table.shape[1] * self.block_size
+        timings.prepare_s = time.perf_counter() - started
+
+        clock = StepClock(self.device, self._last_mark if continuing else None)
+        sends: list = []
+        last_stage = self.state.is_last_stage
+        for step in range(1, plan.num_steps + 1):
+            clock.start()
+            idle = []
+            for index, batch in enumerate(batches):
+                if batch.awaiting is not None:  # this stage's deferred intake of step - 1
+                    self._take_samples(batch, sync)
+                if batch.finished:
+                    idle.append(index)
+                    continue
+                batch.awaiting = (step, self._micro_forward(batch, step, sends))
+                if not batch.first.sampling_rows:  # prefill chunks only: nothing to sample
+                    batch.awaiting, batch.finished = None, True
+                elif last_stage:
+                    self._take_samples(batch, sync)
+            if len(idle) == len(batches):  # every row stopped: the window ends early on every rank
+                clock.marks.pop()
+                break
+            clock.end()
+            for index in idle:
+                merger.add(step, index, None)
+        for batch in batches:
+            if batch.awaiting is not None:
+                self._take_samples(batch, sync)
+            batch.stream.drain()
+        for work, _ in sends:
+            work.wait()
+        timings.forward_s, timings.gaps_s, timings.boundary_gap_s = clock.harvest()
+        self._last_mark = clock.marks[-1]
+        return timings
+
+    def _micro_forward(self, batch: "MicroBatch", step: int, sends: list) -> SampleOutput | None:
+        """This stage's share of one micro-batch step; the samples on the last stage, else None."""
+        first = batch.first
+        if step == 1:
+            hidden = self._forward(first.input_ids, first.positions, first.meta, sends)
+            if hidden is None or not first.sampling_rows:
+                return None
+            hidden = hidden[first.sample_index]
+            return self._sample_local(hidden, first.sampling, first.num_generated, first.counts, batch.guide)
+        state = batch.state
+        meta = self._decode_meta(state, min(first.max_dec_len + step - 1, batch.table_len))
+        hidden = self._forward(state.tokens, state.positions, meta, sends)
+        if hidden is None:
+            return None
+        return self._sample_local(hidden, state.sampling, state.num_generated, state.counts, batch.guide)
+
+    def _take_samples(self, batch: "MicroBatch", sync: bool) -> None:
+        """Adopts the last stage's samples of the micro-batch's pending step and feeds them back."""
+        step, out = batch.awaiting
+        batch.awaiting = None
+        first = batch.first
+        sampling = batch.state.sampling if batch.state is not None else first.sampling
+        out = self._share_samples(out, sampling, len(first.sampling_rows))
+        if step == 1:
+            batch.state = self._decode_state(first, out)
+        else:
+            batch.state.positions = batch.state.positions + (~batch.state.done).long()
+            self._advance(batch.state, out)
+        batch.stream.push(step, batch.state.emitted, out, sync=sync)
+        if batch.guide is not None:
+            batch.guide.accept(batch.stream.last_tokens)
+        if sync:
+            batch.finished = bool(batch.state.done.all())
+
+    def _decode_meta(self, state: "DecodeState", max_seq_len: int) -> AttentionMetadata:
         bs = self.block_size
         # Done rows may point past their reservation: clamp, then send them to the sink.
         block_index = (state.positions // bs).clamp(max=state.table.shape[1] - 1)
         slot = state.table.gather(1, block_index.unsqueeze(1)).squeeze(1) * bs + state.positions % bs
         slot = torch.where(state.done, self.sink_slot, slot)
-        meta = AttentionMetadata(slot_mapping=slot, block_tables=state.table, seq_lens=state.positions + 1,
+        return AttentionMetadata(slot_mapping=slot, block_tables=state.table, seq_lens=state.positions + 1,
                                  query_start_loc=None, max_seq_len=max_seq_len)
-        hidden = self._forward(state.tokens, state.positions, meta)
+
+    def _decode_step(self, state: "DecodeState", max_seq_len: int, guide) -> "SampleOutput":
+        """One decode step of every sampling row: forward, then sample. Inputs come from the device."""
+        hidden = self._forward(state.tokens, state.positions, self._decode_meta(state, max_seq_len))
         out = self._sample(hidden, state.sampling, state.num_generated, state.counts, guide)
         state.positions = state.positions + (~state.done).long()
         return out
@@ -433,6 +549,91 @@ class DecodeState:
     sampling: SamplingTensors
     counts: torch.Tensor | None  # [rows, vocab] output token counts (penalties)
     emitted: torch.Tensor | None = None  # this step's token per row, -1 where the row was done
+
+
+def has_guided_rows(rows) -> bool:
+    return any(row.seq.request.params.json_schema is not None for row in rows)
+
+
+@dataclass
+class FirstStep:
+    """Device inputs of a window's first step, and what its sampling rows carry into the next steps."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    block_table: torch.Tensor  # [rows, max_blocks]
+    seq_lens: torch.Tensor  # [rows] after step 1
+    sample_index: torch.Tensor  # flattened token index of each sampling row's last token
+    sample_sel: torch.Tensor  # row index of each sampling row
+    sampling_rows: list
+    sampling: SamplingTensors | None
+    counts: torch.Tensor | None
+    num_generated: torch.Tensor
+    max_dec_len: int  # longest sampling row after step 1
+
+
+@dataclass
+class MicroBatch:
+    """One pipeline micro-batch of a window: its own first step, decode state, guide and stream."""
+
+    first: FirstStep
+    state: DecodeState | None = None
+    guide: "Guide | None" = None
+    stream: "StepStream | None" = None
+    table_len: int = 0
+    awaiting: tuple[int, SampleOutput | None] | None = None  # (step, samples) not yet taken in
+    finished: bool = False
+
+
+def split_micro_batches(rows: list, count: int, num_steps: int) -> list[list]:
+    """Splits a window's rows, in order, into at most `count` non-empty runs of similar work
+    (tokens of step 1 plus the decode steps a sampling row adds)."""
+    count = min(count, len(rows))
+    weights = [row.num_new_tokens + (num_steps - 1 if row.samples else 0) for row in rows]
+    total = sum(weights)
+    parts: list[list] = []
+    current: list = []
+    done = 0
+    for index, (row, weight) in enumerate(zip(rows, weights)):
+        current.append(row)
+        done += weight
+        parts_left = count - len(parts) - 1
+        rows_left = len(rows) - index - 1
+        if parts_left and rows_left >= parts_left and (
+                done >= total * (len(parts) + 1) / count or rows_left == parts_left):
+            parts.append(current)
+            current = []
+    parts.append(current)
+    return parts
+
+
+class StepMerger:
+    """Joins the micro-batches' outputs of a step into one StepOutput over all sampling rows (the
+    micro-batches are consecutive runs of the plan's rows) and hands complete steps on in order."""
+
+    def __init__(self, on_step: Callable[[StepOutput], None], sizes: list[int]):
+        self.on_step = on_step
+        self.sizes = sizes
+        self.parts: dict[int, list] = {}
+
+    def add(self, step: int, index: int, out: StepOutput | None) -> None:
+        parts = self.parts.setdefault(step, [None] * len(self.sizes))
+        parts[index] = out if out is not None else StepOutput(step=step, tokens=[-1] * self.sizes[index])
+        if all(part is not None or size == 0 for part, size in zip(parts, self.sizes)):
+            del self.parts[step]
+            self.on_step(self._join(step, parts))
+
+    def _join(self, step: int, parts: list) -> StepOutput:
+        parts = [p if p is not None else StepOutput(step=step, tokens=[]) for p in parts]
+        out = StepOutput(step=step, tokens=[t for p in parts for t in p.tokens])
+        if any(p.logprobs is not None for p in parts):
+            out.logprobs = [x for p in parts for x in (p.logprobs or [0.0] * len(p.tokens))]
+            out.ranks = [x for p in parts for x in (p.ranks or [0] * len(p.tokens))]
+        if any(p.top_ids is not None for p in parts):
+            out.top_ids = [x for p in parts for x in (p.top_ids or [[]] * len(p.tokens))]
+            out.top_logprobs = [x for p in parts for x in (p.top_logprobs or [[]] * len(p.tokens))]
+        return out
 
 
 class StepClock:

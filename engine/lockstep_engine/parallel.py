@@ -73,3 +73,9 @@ def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, st
 def broadcast_from_sampler(tensors: list[torch.Tensor], state: ParallelState) -> None:
     for tensor in tensors:
         dist.broadcast(tensor, src=state.sampler_rank, group=state.world_group)
+
+
+def pp_isend(hidden: torch.Tensor, state: ParallelState) -> tuple[object, torch.Tensor]:
+    """Starts sending to the next stage; returns (work, tensor): keep both until `work.wait()`."""
+    hidden = hidden.contiguous()
+    return dist.isend(hidden, dst=state.next_rank, group=state.world_group), hidden

@@ -23,27 +23,52 @@ greedy = SamplingParams(temperature=0, max_tokens=int(sys.argv[5]), ignore_eos=T
 sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
 seeded = llm.generate([{"prompt_token_ids": p} for p in prompts], sampled)
-print(json.dumps({"greedy": [o.outputs[0].token_ids for o in outs],
-                  "seeded": [o.outputs[0].token_ids for o in seeded]}), flush=True)
+result = {"greedy": [o.outputs[0].token_ids for o in outs], "seeded": [o.outputs[0].token_ids for o in seeded]}
+if len(sys.argv) > 6:  # rows that end at different steps and carry every per-row feature
+    # even rows stop on a token their greedy run reaches mid-window
+    stops = [[o.outputs[0].token_ids[2 + i]] if i % 2 == 0 else [] for i, o in enumerate(outs)]
+    mixed = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, logprobs=i % 3, presence_penalty=0.5 * (i % 2),
+                            stop_token_ids=stops[i], ignore_eos=True, n=1 + (i == 1), seed=i)
+             for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], mixed)
+    result["mixed"] = [[(c.token_ids, [(e.token_id, e.logprob, e.rank, e.top) for e in c.logprobs or []],
+                         c.finish_reason) for c in o.outputs] for o in outs]
+print(json.dumps(result), flush=True)
 """
 
 TINY_PROMPTS = [[(31 * i + 7 * k) % 1000 + 3 for k in range(5 + 9 * i)] for i in range(6)]
 
 
-def _run(model, tp, steps, prompts, max_tokens, timeout=600):
+def _run(model, tp, steps, prompts, max_tokens, timeout=600, mixed=False):
     env = dict(os.environ, LOCKSTEP_CPU_THREADS="1")
     result = subprocess.run([sys.executable, "-c", SCRIPT, model, str(tp), str(steps), json.dumps(prompts),
-                             str(max_tokens)], capture_output=True, text=True, timeout=timeout, env=env)
+                             str(max_tokens)] + (["mixed"] if mixed else []),
+                            capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _assert_same(single: dict, group: dict, layout: str) -> None:
+    """Tokens and finish reasons equal; logprobs equal up to float summation order."""
+    assert group["greedy"] == single["greedy"], layout
+    assert group["seeded"] == single["seeded"], layout
+    for ours, theirs in zip(group.get("mixed", []), single.get("mixed", [])):
+        for (tokens, logprobs, finish), (ref_tokens, ref_logprobs, ref_finish) in zip(ours, theirs):
+            assert (tokens, finish) == (ref_tokens, ref_finish), layout
+            assert [(t, r, [x[0] for x in top]) for t, _, r, top in logprobs] == \
+                [(t, r, [x[0] for x in top]) for t, _, r, top in ref_logprobs], layout
+            assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(logprobs, ref_logprobs)), layout
+
+
 @pytest.mark.parametrize("steps", [1, 8])
 def test_tp2_pp2_and_tp2xpp2_match_single_process(steps):
-    single = _run("random:tiny", 1, steps, TINY_PROMPTS, 24)
-    assert _run("random:tiny", 2, steps, TINY_PROMPTS, 24) == single
-    assert _run("random:tiny", "1x2", steps, TINY_PROMPTS, 24) == single
-    assert _run("random:tiny", "2x2", steps, TINY_PROMPTS, 24) == single
+    """PP runs a window as micro-batches in flight (one per stage); rows of the mixed set end at
+    different steps (stops, max_tokens) and carry logprobs, penalties and n=2."""
+    mixed = steps == 8
+    single = _run("random:tiny", 1, steps, TINY_PROMPTS, 24, mixed=mixed)
+    assert any(c[2] == "stop" for o in single.get("mixed", []) for c in o) or not mixed
+    for layout in (2, "1x2", "2x2") + (("1x4",) if mixed else ()):
+        _assert_same(single, _run("random:tiny", layout, steps, TINY_PROMPTS, 24, mixed=mixed), str(layout))
 
 
 def test_smollm2_tp3_matches_transformers():

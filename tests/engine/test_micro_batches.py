@@ -1,0 +1,40 @@
+"""Pipeline micro-batches: how a window's rows are split and how their step outputs are joined."""
+
+from types import SimpleNamespace
+
+from lockstep_engine.model_runner import StepMerger, StepOutput, split_micro_batches
+
+
+def _rows(*specs):
+    return [SimpleNamespace(num_new_tokens=n, samples=s, name=i) for i, (n, s) in enumerate(specs)]
+
+
+def test_split_keeps_order_leaves_no_part_empty_and_balances_work():
+    rows = _rows(*[(1, True)] * 10)
+    parts = split_micro_batches(rows, 2, 8)
+    assert [r.name for part in parts for r in part] == list(range(10))
+    assert [len(p) for p in parts] == [5, 5]
+    # a long prefill chunk weighs as much as many decode rows
+    rows = _rows((100, False), *[(1, True)] * 12)
+    parts = split_micro_batches(rows, 2, 8)
+    assert [len(p) for p in parts] == [1, 12]
+    assert len(split_micro_batches(_rows((1, True)), 4, 8)) == 1
+    for count in (2, 3, 4):
+        for n in range(1, 9):
+            parts = split_micro_batches(_rows(*[(1 + (i * 37) % 50, i % 3 > 0) for i in range(n)]), count, 8)
+            assert len(parts) == min(count, n) and all(parts)
+            assert sum(len(p) for p in parts) == n
+
+
+def test_merger_joins_parts_in_row_order_and_delivers_steps_in_order():
+    got = []
+    merger = StepMerger(got.append, [2, 0, 1])
+    merger.add(1, 0, StepOutput(step=1, tokens=[5, 6], logprobs=[-1.0, -2.0], ranks=[1, 2]))
+    assert got == []  # part 2 missing
+    merger.add(1, 2, StepOutput(step=1, tokens=[7]))
+    assert [o.tokens for o in got] == [[5, 6, 7]]
+    assert got[0].logprobs == [-1.0, -2.0, 0.0] and got[0].ranks == [1, 2, 0]
+    merger.add(2, 2, None)  # that micro-batch finished: its rows emit nothing
+    merger.add(2, 0, StepOutput(step=2, tokens=[8, -1], top_ids=[[8], [1]], top_logprobs=[[-0.5], [-0.7]]))
+    assert got[1].tokens == [8, -1, -1] and got[1].top_ids == [[8], [1], []]
+    assert got[1].logprobs is None
