@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import MODEL, FakeEngine
+from gateway_harness import MODEL, FakeEngine
 
 KEYS = ("sk-alpha-0123456789", "sk-beta-9876543210", "sk-gamma-5555555555")
 

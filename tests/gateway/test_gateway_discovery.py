@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL, FakeEngine, wait_for
+from gateway_harness import MODEL, FakeEngine, wait_for
 from lockstep_gateway.discovery import (
     KubeAPI,
     KubernetesDiscovery,

@@ -9,7 +9,7 @@ import signal
 import time
 
 import httpx
-from conftest import MODEL, Engine, FakeEngine, free_port, wait_for
+from gateway_harness import MODEL, Engine, FakeEngine, free_port, wait_for
 
 LONG = 2000  # tokens: longer than any test waits for
 

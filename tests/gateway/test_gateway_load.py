@@ -7,7 +7,7 @@ import json
 import time
 
 import httpx
-from conftest import MODEL, wait_for
+from gateway_harness import MODEL, wait_for
 
 NUM_STREAMS = 200
 

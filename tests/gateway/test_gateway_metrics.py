@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import httpx
-from conftest import MODEL, FakeEngine, wait_for
+from gateway_harness import MODEL, FakeEngine, wait_for
 
 
 def test_request_latency_health_ejection_and_in_flight_metrics_move(start_gateway):

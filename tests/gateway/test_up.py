@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from conftest import ENGINE_START_TIMEOUT_S, MODEL, REPO, free_port, wait_for
+from gateway_harness import ENGINE_START_TIMEOUT_S, MODEL, REPO, free_port, wait_for
 
 
 def _descendants(pid: int) -> set[int]:
