@@ -1,7 +1,9 @@
 """Engine groups of several ranks: rendezvous, the leader's window broadcast, the worker loop.
 
 Rank 0 (the leader) schedules; before each window it broadcasts the window plan, and every rank
-runs the same window on its shard. Sampling needs no broadcast: logits are gathered on every rank
+runs the same window on its shard. The plan travels as a delta (`plan_codec`): a request's prompt and
+sampling parameters once, then per window only the tokens and blocks each row gained and the row's
+step-1 work, so a message stays a few bytes per row however long the contexts grow. Sampling needs no broadcast: logits are gathered on every rank
 and the sampler's randomness is a function of (seed, position, token), so all ranks draw the same
 tokens and write the same KV slots. Collectives carry a timeout so a lost rank becomes an error.
 
@@ -26,8 +28,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lockstep_engine import guided
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.parallel import ParallelState
+from lockstep_engine.plan_codec import PlanDecoder, PlanEncoder
 from lockstep_engine.sources import log
 
 DEFAULT_PORT = 29500
@@ -119,6 +123,7 @@ class LeaderRunner:
     def __init__(self, runner, workers: list[subprocess.Popen]):
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_workers", workers)
+        object.__setattr__(self, "_encoder", PlanEncoder())
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -134,7 +139,7 @@ class LeaderRunner:
     def execute_window(self, plan, on_step, continuing: bool = False):
         self.check_workers()
         try:
-            dist.broadcast_object_list([("window", plan)], src=0)
+            dist.broadcast_object_list([("window", self._encoder.encode(plan))], src=0)
         except RuntimeError as error:
             raise GroupError(f"broadcasting the window plan to the engine group failed: {error}") from error
         return self._runner.execute_window(plan, on_step, continuing)
@@ -203,6 +208,9 @@ def run_worker(config: EngineConfig) -> int:
                        int(os.environ.get("LOCKSTEP_RENDEZVOUS_PORT", DEFAULT_PORT)),
                        resolve_device(config.device).type, config.tensor_parallel_size)
     runner = ModelRunner(config, source, state)
+    tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
+    guided.install(runner, tokenizer)  # the last stage samples: it needs the grammar masks too
+    decoder = PlanDecoder()
     log(f"rank {rank}: ready")
     while True:
         message = [None]
@@ -211,7 +219,9 @@ def run_worker(config: EngineConfig) -> int:
         except RuntimeError as error:
             log(f"rank {rank}: lost the leader ({error}); exiting")
             return 1
-        kind, plan = message[0]
+        kind, data = message[0]
         if kind == "stop":
             return 0
-        runner.execute_window(plan, lambda step: None)
+        plan = decoder.decode(data)
+        if plan is not None:
+            runner.execute_window(plan, lambda step: None)

@@ -8,7 +8,7 @@ import time
 
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.engine_core import CoreOutput, EngineCore
-from lockstep_engine.distributed import create_runner, world_size
+from lockstep_engine.distributed import create_runner
 from lockstep_engine.output_processor import OutputProcessor, RequestState
 from lockstep_engine.outputs import CompletionOutput, RequestOutput
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
@@ -26,10 +26,9 @@ class LLMEngine:
             self.config = config.with_model_limits(source.config.max_position_embeddings)
             self.model_config = source.config
             self.runner = create_runner(self.config, source)
-            if world_size(self.config) == 1:  # grammar masks are built on one rank's host
-                from lockstep_engine import guided
+            from lockstep_engine import guided
 
-                guided.install(self.runner, self.tokenizer)
+            guided.install(self.runner, self.tokenizer)  # workers of a group install their own
         else:
             other = share_model_with
             self.tokenizer, self.model_config, self.runner = other.tokenizer, other.model_config, other.runner

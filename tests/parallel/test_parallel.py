@@ -140,3 +140,46 @@ def test_lost_worker_is_an_error_not_a_hang():
                             env=env)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert "GroupError" in result.stdout and "exited" in result.stdout
+
+
+GUIDED = r"""
+import json, sys
+from lockstep_engine.llm import LLM
+from lockstep_engine.sampling_params import SamplingParams
+tp, pp = (int(x) for x in sys.argv[1].split("x"))
+schema = json.loads(sys.argv[2])
+llm = LLM("smollm2", tensor_parallel_size=tp, pipeline_parallel_size=pp, num_scheduler_steps=8,
+          kv_cache_memory_bytes=128 << 20, max_model_len=512)
+asks = ["Describe a person as JSON.", "A person from Tokyo, please.", "Invent someone."]
+params = [SamplingParams(temperature=0, max_tokens=60, json_schema=schema),
+          SamplingParams(temperature=0.8, seed=5, max_tokens=60, json_schema=schema),
+          SamplingParams(temperature=0, max_tokens=12)]  # an unguided row in the same windows
+outs = [llm.chat([{"role": "user", "content": ask}], p)[0] for ask, p in zip(asks, params)] + \
+    llm.chat([[{"role": "user", "content": a}] for a in asks], params[0])
+print(json.dumps([[o.outputs[0].text, o.outputs[0].finish_reason] for o in outs]), flush=True)
+"""
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}}}
+
+
+def test_guided_json_on_tp_and_pp_groups_matches_one_process():
+    """Grammar masks are built by every rank that samples (all TP ranks; the last PP stage), and PP
+    runs the windows as micro-batches."""
+    import jsonschema
+
+    env = dict(os.environ, LOCKSTEP_CPU_THREADS="1")
+    results = {}
+    for layout in ("1x1", "1x2", "3x1"):
+        done = subprocess.run([sys.executable, "-c", GUIDED, layout, json.dumps(PERSON)], capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[layout] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["1x2"] == results["1x1"]
+    assert results["3x1"] == results["1x1"]
+    for index, (text, finish) in enumerate(results["1x2"]):
+        if index != 2:
+            assert finish == "stop", text
+            jsonschema.validate(json.loads(text), PERSON)

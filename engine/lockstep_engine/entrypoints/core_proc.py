@@ -187,15 +187,15 @@ def _build_core(config):
     """Loads the model; returns the core, the tokenizer (or None) and whether guided decoding works."""
     from lockstep_engine import guided
     from lockstep_engine.engine_core import EngineCore
-    from lockstep_engine.distributed import create_runner, world_size
+    from lockstep_engine.distributed import create_runner
     from lockstep_engine.sources import log, resolve
 
     source = resolve(config.model, seed=config.seed)
     config = config.with_model_limits(source.config.max_position_embeddings)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     runner = create_runner(config, source)  # with TP/PP: the group's leader, local workers spawned
-    # Grammar masks are built on the host of one rank only: guided decoding needs a single rank.
-    has_guides = guided.install(runner, tokenizer) if world_size(config) == 1 else False
+    # Every rank that samples builds the grammar masks itself (workers install guides too).
+    has_guides = guided.install(runner, tokenizer)
     if tokenizer is not None:
         log("guided decoding: llguidance" if has_guides else "guided decoding: unavailable (pip install llguidance)")
     return EngineCore(config, runner), tokenizer, has_guides
