@@ -18,6 +18,7 @@ import torch
 
 from lockstep.bench.workload import make_workload
 from lockstep_engine.config import num_scheduler_steps_arg
+from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 
@@ -54,13 +55,9 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - start)  # read + write bytes/s
 
 
-def run_workload(llm: LLM, prompts, lengths, label: str) -> dict:
-    engine = llm.engine
-    stats = engine.core.stats
+def run_workload(llm: LLM, prompts, params, label: str) -> dict:
+    stats = llm.engine.core.stats
     first, last, counts, gaps = {}, {}, {}, []
-    t0 = time.perf_counter()
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-           for p, n in zip(prompts, lengths)]
 
     def on_step(outputs):
         now = time.perf_counter()
@@ -75,26 +72,21 @@ def run_workload(llm: LLM, prompts, lengths, label: str) -> dict:
             last[rid] = now
             counts[rid] = counts.get(rid, 0) + len(o.token_ids)
 
-    done, report = 0, t0
-    while engine.has_unfinished_requests():
-        done += sum(o.finished for o in engine.step(on_step=on_step))
-        if time.perf_counter() - report > 15:
-            report = time.perf_counter()
-            log(f"{label}: {done}/{len(ids)} requests, {report - t0:.0f}s")
-    elapsed = time.perf_counter() - t0
-    out_tokens = sum(counts.values())
+    run = run_offline(llm, prompts, params, progress=lambda message: log(f"{label}: {message}"),
+                      progress_every_s=15, on_step=on_step)
+    ids, t0 = run.request_ids, run.started_s
     ttft = [first[r] - t0 for r in ids]
     tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in ids if counts[r] > 1]
     intra = [g for g in stats.gaps_s]
     busy = stats.forward_s
     return {
-        "requests": len(ids), "elapsed_s": elapsed, "req_per_s": len(ids) / elapsed,
-        "output_tok_per_s": out_tokens / elapsed,
-        "total_tok_per_s": (out_tokens + sum(len(p) for p in prompts)) / elapsed,
+        "requests": len(ids), "elapsed_s": run.elapsed_s, "req_per_s": run.requests_per_s,
+        "output_tok_per_s": run.output_tokens_per_s,
+        "total_tok_per_s": run.total_tokens_per_s,
         "ttft_ms": summary(ttft), "tpot_ms": summary(tpot), "itl_ms": summary(gaps),
         "mean_gap_us": 1e6 * statistics.fmean(intra) if intra else float("nan"),
         "mean_boundary_gap_us": 1e6 * statistics.fmean(stats.boundary_gaps_s) if stats.boundary_gaps_s else float("nan"),
-        "idle_fraction": 1 - busy / elapsed,
+        "idle_fraction": 1 - busy / run.elapsed_s,
         "steps": stats.num_steps, "windows": stats.num_windows,
         "mean_batch": statistics.fmean(stats.step_batch_sizes) if stats.step_batch_sizes else 0,
         "step_ms": 1e3 * busy / max(stats.num_steps, 1),
@@ -221,7 +213,7 @@ def main() -> int:
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["torch"] = torch.__version__
     workload = make_workload("sharegpt-synth", args.num_prompts, seed=0, vocab_size=128256)
-    prompts = [r.prompt_token_ids for r in workload]
+    prompts, params = greedy_requests(workload)
     lengths = [r.output_len for r in workload]
     if args.peer_prompts and "peer" not in args.skip:
         # First, while the whole GPU is free for its paged cache.
@@ -249,7 +241,7 @@ def main() -> int:
             llm.engine.runner.graphs.warmup(args.max_num_seqs)
         log(f"sharegpt-synth N={n}")
         try:
-            RESULTS["runs"][f"N={n}"] = run_workload(llm, prompts, lengths, f"N={n}")
+            RESULTS["runs"][f"N={n}"] = run_workload(llm, prompts, params, f"N={n}")
         except Exception:
             RESULTS.setdefault("errors", {})[f"N={n}"] = traceback.format_exc()[-3000:]
             log(RESULTS["errors"][f"N={n}"])
@@ -265,7 +257,7 @@ def main() -> int:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=8, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         RESULTS["runs"][f"N=8 first {args.peer_prompts}"] = run_workload(
-            llm, prompts[:args.peer_prompts], lengths[:args.peer_prompts], "N=8 peer-sized")
+            llm, prompts[:args.peer_prompts], params[:args.peer_prompts], "N=8 peer-sized")
     json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
     print_table()
     return 0

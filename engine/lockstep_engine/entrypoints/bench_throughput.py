@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from lockstep.bench.workload import make_workload
 from lockstep_engine.config import num_scheduler_steps_arg
+from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 
@@ -38,27 +38,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
 def _run(llm: LLM, prompts, params) -> dict:
-    engine = llm.engine
-    stats = engine.core.stats
-    started = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done, last_report = 0, started
-    while engine.has_unfinished_requests():
-        done += sum(1 for out in engine.step() if out.finished)
-        if time.perf_counter() - last_report > 10:
-            last_report = time.perf_counter()
-            print(f"[bench] {done}/{len(ids)} requests, {last_report - started:.0f}s", file=sys.stderr, flush=True)
-    elapsed = time.perf_counter() - started
-    prompt_tokens = sum(len(p) for p in prompts)
-    output_tokens = stats.num_generated_tokens
+    stats = llm.engine.core.stats
+    run = run_offline(llm, prompts, params, progress=_progress, progress_every_s=10)
     host = stats.schedule_s + stats.prepare_s + stats.output_s + stats.update_s
     return {
-        "elapsed_s": elapsed,
-        "requests_per_s": len(ids) / elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
-        "output_tokens": output_tokens,
+        "elapsed_s": run.elapsed_s,
+        "requests_per_s": run.requests_per_s,
+        "output_tokens_per_s": run.output_tokens_per_s,
+        "total_tokens_per_s": run.total_tokens_per_s,
+        "output_tokens": run.num_output_tokens,
         "windows": stats.num_windows,
         "steps": stats.num_steps,
         "mean_batch": sum(stats.step_batch_sizes) / max(len(stats.step_batch_sizes), 1),
@@ -96,9 +89,8 @@ def main(argv: list[str]) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens)
     base = LLM(args.model, num_scheduler_steps=steps[0], **common)
     vocab = base.engine.model_config.vocab_size
-    workload = make_workload(args.workload, args.num_prompts, seed=args.seed, vocab_size=vocab)
-    prompts = [r.prompt_token_ids for r in workload]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+    prompts, params = greedy_requests(make_workload(args.workload, args.num_prompts, seed=args.seed,
+                                                    vocab_size=vocab))
     results = []
     for n in steps:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=n, **common)
