@@ -1,5 +1,6 @@
 """What the step-gap timer costs: the same decode workload with the runner's `StepClock` (CUDA events on
-the compute stream) and with a clock that records nothing, alternated; plus the gaps it measures.
+the compute stream, from a pool, harvested with query()) and with a clock that records nothing,
+alternated; plus the gaps it measures and how often the clock had to wait for the device (expected 0).
 
     PYTHONPATH=.:engine python benchmarks/gap_timer_cost.py --model random:llama-3-8b --steps 1 8
 """
@@ -13,28 +14,29 @@ import statistics
 import sys
 import time
 
-from lockstep_engine import model_runner
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 
-REAL_CLOCK = model_runner.StepClock
-
 
 class NullClock:
-    """Timer off: no events recorded, no host clock read; zero durations keep the step counts right."""
+    """Timer off: no events recorded, no host clock read, nothing harvested (the runner counts steps)."""
 
-    def __init__(self, device, previous_end=None):
-        self.marks = [None]
-        self.starts = 0
+    num_forced_syncs = 0
 
-    def start(self) -> None:
-        self.starts += 1
+    def begin_window(self, continuing: bool) -> None:
+        pass
+
+    def start(self, tag) -> None:
+        pass
 
     def end(self) -> None:
         pass
 
-    def harvest(self):
-        return [0.0] * self.starts, [0.0] * max(self.starts - 1, 0), None
+    def drop_start(self) -> None:
+        pass
+
+    def harvest(self) -> list:
+        return []
 
 
 def run(llm: LLM, prompts, params) -> dict:
@@ -71,14 +73,17 @@ def main() -> int:
     for n in args.steps:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=n, max_num_seqs=args.batch,
                   max_model_len=1024)
-        run(llm, prompts[:8], params[:8])  # warm-up: graphs, allocator
+        runner = llm.engine.runner
+        real_clock = runner.clock
+        run(llm, prompts[:8], params[:8])  # warm-up: graphs, allocator, pinned host buffers
+        forced_before = real_clock.num_forced_syncs
         on, off = [], []
         for _ in range(args.repeats):
-            model_runner.StepClock = REAL_CLOCK
+            runner.clock = real_clock
             on.append(run(llm, prompts, params))
-            model_runner.StepClock = NullClock
+            runner.clock = NullClock()
             off.append(run(llm, prompts, params))
-        model_runner.StepClock = REAL_CLOCK
+        runner.clock = real_clock
         on_tps = statistics.median(r["tokens_per_s"] for r in on)
         off_tps = statistics.median(r["tokens_per_s"] for r in off)
         results[f"N={n}"] = {
@@ -87,11 +92,14 @@ def main() -> int:
             "intra_gap_us_median": statistics.median(r["intra_gap_us"] for r in on if r["intra_gap_us"] is not None)
             if n > 1 else None,
             "boundary_gap_us_median": statistics.median(r["boundary_gap_us"] for r in on),
+            "forced_syncs": real_clock.num_forced_syncs - forced_before,
+            "host_ring_slots": runner.host_ring.num_slots if runner.host_ring is not None else None,
             "runs_on": on, "runs_off": off}
         print(f"N={n}: timer on {on_tps:.0f} tok/s, off {off_tps:.0f} tok/s "
               f"({results[f'N={n}']['timer_cost_percent']:+.2f}% cost); intra gap "
               f"{results[f'N={n}']['intra_gap_us_median']} us, boundary gap "
-              f"{results[f'N={n}']['boundary_gap_us_median']:.0f} us", flush=True)
+              f"{results[f'N={n}']['boundary_gap_us_median']:.0f} us, forced syncs "
+              f"{results[f'N={n}']['forced_syncs']}", flush=True)
     out = os.environ.get("OUT", ".bench")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "gap_timer_cost.json"), "w") as handle:

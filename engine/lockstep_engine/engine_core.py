@@ -174,7 +174,7 @@ class EngineCore:
             self._in_flight = None
         update_start = time.perf_counter()
         # A row that finished before the window's last step kept computing: those tokens were wasted.
-        executed = len(timings.forward_s)
+        executed = timings.num_steps
         for i, row in enumerate(sampling):
             if row.seq.is_finished:
                 self.stats.num_wasted_tokens += max(executed - accepted[i], 0)
@@ -190,13 +190,15 @@ class EngineCore:
         stats.num_prompt_tokens_computed += sum(r.num_new_tokens for r in plan.rows if r.num_new_tokens > 1)
         stats.schedule_s += schedule_s
         stats.prepare_s += timings.prepare_s
-        stats.forward_s += sum(timings.forward_s)
         stats.output_s += timings.output_s
-        stats.gaps_s += timings.gaps_s
-        stats.decode_step_s += timings.forward_s[1:]
-        stats.decode_step_batch += [len(sampling)] * len(timings.forward_s[1:])
-        if timings.boundary_gap_s is not None:
-            stats.boundary_gaps_s.append(timings.boundary_gap_s)
+        # Device timings arrive as the device finishes them: possibly some of an earlier window's steps.
+        for timed in timings.steps:
+            stats.forward_s += timed.forward_s
+            if timed.tag.step > 1:
+                stats.decode_step_s.append(timed.forward_s)
+                stats.decode_step_batch.append(timed.tag.batch)
+            if timed.gap_s is not None:
+                (stats.gaps_s if timed.tag.step > 1 else stats.boundary_gaps_s).append(timed.gap_s)
         stats.update_s += time.perf_counter() - update_start
         return timings
 

@@ -120,23 +120,22 @@ class CoreMetrics:
         stats, s = core.stats, self.series
         prompt_delta = stats.num_prompt_tokens_computed - self._prompt_tokens
         first = "prefill" if prompt_delta > 0 else "decode"
-        forwards = timings.forward_s
-        for k, seconds in enumerate(forwards):
-            phase = first if k == 0 else "decode"
-            s.observe(n.STEP_DURATION, (phase,), seconds)
-            s.inc(n.GPU_BUSY, (phase,), seconds)
-            s.inc(n.STEPS, (phase, "window_start" if k == 0 else "intra"), 1)
-        if timings.boundary_gap_s is not None:
-            self._gap(first, "window_start", timings.boundary_gap_s)
-        for gap in timings.gaps_s:
-            self._gap("decode", "intra", gap)
+        # Device timings, harvested as the device finishes them (a step may land a window late): each
+        # carries its own phase and place in its window.
+        for timed in timings.steps:
+            phase, boundary = timed.tag.phase, "window_start" if timed.tag.step == 1 else "intra"
+            s.observe(n.STEP_DURATION, (phase,), timed.forward_s)
+            s.inc(n.GPU_BUSY, (phase,), timed.forward_s)
+            s.inc(n.STEPS, (phase, boundary), 1)
+            if timed.gap_s is not None:
+                self._gap(phase, boundary, timed.gap_s)
         for tokens in stats.first_step_tokens:
             s.observe(n.STEP_TOKENS, (first,), tokens)
         # step_batch_sizes has one entry per delivered step; the first step's tokens are counted above.
         for batch in stats.step_batch_sizes[1:]:
             s.observe(n.STEP_TOKENS, ("decode",), batch)
-        if forwards:
-            s.observe(n.WINDOW_STEPS, (), len(forwards))
+        if timings.num_steps:
+            s.observe(n.WINDOW_STEPS, (), timings.num_steps)
         for seconds in stats.queue_times_s:
             s.observe(n.QUEUE_TIME, (), max(seconds, 0.0))
         for phase, seconds in (("schedule", stats.schedule_s - self._schedule_s), ("prepare", timings.prepare_s),
@@ -145,8 +144,8 @@ class CoreMetrics:
         s.inc(n.WASTED_TOKENS, (), stats.num_wasted_tokens - self._wasted)
         self._prompt_tokens, self._wasted = stats.num_prompt_tokens_computed, stats.num_wasted_tokens
         self._schedule_s, self._update_s = stats.schedule_s, stats.update_s
-        for values in (stats.gaps_s, stats.boundary_gaps_s, stats.decode_step_s, stats.window_steps,
-                       stats.step_batch_sizes, stats.first_step_tokens, stats.queue_times_s):
+        for values in (stats.gaps_s, stats.boundary_gaps_s, stats.decode_step_s, stats.decode_step_batch,
+                       stats.window_steps, stats.step_batch_sizes, stats.first_step_tokens, stats.queue_times_s):
             values.clear()
         self.changed = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -68,13 +69,32 @@ class StepOutput:
     top_logprobs: list[list[float]] | None = None
 
 
+@dataclass(frozen=True)
+class StepTag:
+    """What the runner knows of a forward when it starts it; its timing may be harvested a window later."""
+
+    step: int  # 1-based step of its window; step 1 follows the window boundary
+    phase: str  # prefill: a window's first step that computed prompt tokens; decode otherwise
+    batch: int  # sampling rows of its window
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One forward's device time (forward + sample + advance) and the idle time before it."""
+
+    tag: StepTag
+    forward_s: float
+    gap_s: float | None  # since the previous forward ended; None: the first step after idle
+
+
 @dataclass
 class WindowTimings:
     prepare_s: float = 0.0
-    forward_s: list[float] = field(default_factory=list)  # per step: forward + sample + advance
     output_s: float = 0.0  # host callbacks (output processing)
-    gaps_s: list[float] = field(default_factory=list)  # idle between the end of step k and start of k+1
-    boundary_gap_s: float | None = None  # idle since the previous window ended (None: engine was idle)
+    num_steps: int = 0  # forwards this window executed
+    # Forwards whose device timing completed since the previous window's harvest, oldest first: mostly
+    # this window's, plus earlier ones still running when their own window ended.
+    steps: list[StepTiming] = field(default_factory=list)
 
 
 class Guide(Protocol):
@@ -129,7 +149,8 @@ class ModelRunner:
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=state.world_group)
             self.num_blocks = int(count.item())
         self._allocate_kv_cache()
-        self._last_mark = None
+        self.clock = StepClock(self.device)
+        self.host_ring = HostRing() if self.device.type == "cuda" else None
         self.graphs = None
         if (self.device.type == "cuda" and not config.enforce_eager and state.pp_size == 1
                 and getattr(self.backend, "graph_safe", False)):
@@ -370,36 +391,37 @@ class ModelRunner:
         sampling_rows = first.sampling_rows
         timings.prepare_s = time.perf_counter() - started
 
-        clock = StepClock(self.device, self._last_mark if continuing else None)
-        clock.start()
+        clock, rows_n = self.clock, len(sampling_rows)
+        clock.begin_window(continuing)
+        clock.start(StepTag(1, first_step_phase(plan), rows_n))
         hidden = self._forward(first.input_ids, first.positions, first.meta)
         if not sampling_rows:
             clock.end()
-            timings.forward_s, timings.gaps_s, timings.boundary_gap_s = clock.harvest()
-            self._last_mark = clock.marks[-1]
+            timings.num_steps = 1
+            timings.steps = clock.harvest()  # without a sync this forward is harvested by a later window
             return timings
         guide = self._make_guide(sampling_rows)
         out = self._sample(hidden[first.sample_index] if hidden is not None else None, first.sampling,
                            first.num_generated, first.counts, guide)
         state = self._decode_state(first, out)
         clock.end()
+        timings.num_steps = 1
         table_len = state.table.shape[1] * self.block_size
         # Without a host consumer per step (guided rows, or the CPU where copies are free) the
         # whole window is launched without waiting; tokens reach the host as each step's copy lands.
         # The choice depends on the plan only, so every rank of a group loops alike.
         stream_async = self.device.type == "cuda" and not has_guided_rows(sampling_rows)
-        outputs = StepStream(on_step, timings)
+        outputs = StepStream(on_step, timings, self.host_ring)
         outputs.push(1, state.emitted, out, sync=not stream_async)
         if guide is not None:
             guide.accept(outputs.last_tokens)
         graph = None
         if self.graphs is not None and plan.num_steps > 1 and self.graphs.usable(state, guide):
             graph = self.graphs.begin(state)
-        rows_n = len(sampling_rows)
         for step in range(2, plan.num_steps + 1):
             if not stream_async and bool(state.done.all()):
                 break
-            clock.start()
+            clock.start(StepTag(step, "decode", rows_n))
             if graph is not None:
                 graph.graph.replay()
                 emitted, out = graph.inputs["emitted"][:rows_n], None
@@ -408,12 +430,12 @@ class ModelRunner:
                 self._advance(state, out)
                 emitted = state.emitted
             clock.end()
+            timings.num_steps = step
             outputs.push(step, emitted, out, sync=not stream_async)
             if guide is not None:
                 guide.accept(outputs.last_tokens)
         outputs.drain()
-        timings.forward_s, timings.gaps_s, timings.boundary_gap_s = clock.harvest()
-        self._last_mark = clock.marks[-1]
+        timings.steps = clock.harvest()
         return timings
 
     def _execute_pipelined(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
@@ -434,15 +456,17 @@ class ModelRunner:
         sync = self.device.type != "cuda" or has_guided_rows(plan.rows)
         for index, batch in enumerate(batches):
             batch.guide = self._make_guide(batch.first.sampling_rows)
-            batch.stream = StepStream(lambda out, index=index: merger.add(out.step, index, out), timings)
+            batch.stream = StepStream(lambda out, index=index: merger.add(out.step, index, out), timings,
+                                      self.host_ring)
             batch.table_len = batch.first.block_table.shape[1] * self.block_size
         timings.prepare_s = time.perf_counter() - started
 
-        clock = StepClock(self.device, self._last_mark if continuing else None)
+        clock, rows_n = self.clock, len(plan.sampling_rows)
+        clock.begin_window(continuing)
         sends: list = []
         last_stage = self.state.is_last_stage
         for step in range(1, plan.num_steps + 1):
-            clock.start()
+            clock.start(StepTag(step, first_step_phase(plan) if step == 1 else "decode", rows_n))
             idle = []
             for index, batch in enumerate(batches):
                 if batch.awaiting is not None:  # this stage's deferred intake of step - 1
@@ -456,9 +480,10 @@ class ModelRunner:
                 elif last_stage:
                     self._take_samples(batch, sync)
             if len(idle) == len(batches):  # every row stopped: the window ends early on every rank
-                clock.marks.pop()
+                clock.drop_start()
                 break
             clock.end()
+            timings.num_steps = step
             for index in idle:
                 merger.add(step, index, None)
         for batch in batches:
@@ -467,8 +492,7 @@ class ModelRunner:
             batch.stream.drain()
         for work, _ in sends:
             work.wait()
-        timings.forward_s, timings.gaps_s, timings.boundary_gap_s = clock.harvest()
-        self._last_mark = clock.marks[-1]
+        timings.steps = clock.harvest()
         return timings
 
     def _micro_forward(self, batch: "MicroBatch", step: int, sends: list) -> SampleOutput | None:
@@ -555,6 +579,11 @@ def has_guided_rows(rows) -> bool:
     return any(row.seq.request.params.json_schema is not None for row in rows)
 
 
+def first_step_phase(plan: WindowPlan) -> str:
+    """prefill when the window's first forward computes prompt tokens (as `CoreStats` counts them)."""
+    return "prefill" if any(row.num_new_tokens > 1 for row in plan.rows) else "decode"
+
+
 @dataclass
 class FirstStep:
     """Device inputs of a window's first step, and what its sampling rows carry into the next steps."""
@@ -636,47 +665,193 @@ class StepMerger:
         return out
 
 
+class HostMark:
+    """A host-clock mark with the part of `torch.cuda.Event`'s interface the clock uses: complete once
+    recorded, so the CPU runs the same pending/harvest logic as CUDA."""
+
+    __slots__ = ("at",)
+
+    def __init__(self):
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: HostMark) -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as torch.cuda.Event
+
+
+def cuda_timing_event():
+    return torch.cuda.Event(enable_timing=True)
+
+
+@dataclass
+class _Forward:
+    """A forward whose marks were recorded but not yet harvested."""
+
+    tag: StepTag
+    start: object
+    end: object | None  # None while the forward runs on the host side (between start() and end())
+    after_previous: bool  # the idle time since the previous forward ended counts as a gap
+
+
 class StepClock:
-    """Times forwards and the idle gaps between them: CUDA events on the compute stream (harvested
-    after the window's final wait, so no extra sync), or the host clock on the CPU."""
+    """Times forwards and the idle gaps between them for the runner's lifetime.
 
-    def __init__(self, device: torch.device, previous_end=None):
-        self.cuda = device.type == "cuda"
-        self.previous_end = previous_end  # the last mark of the window before, when it ran back to back
-        self.marks: list = []
+    Marks come from a pool made once (CUDA events, recorded on the current stream, or host-clock marks
+    on the CPU) and are reused round-robin. `harvest()` never waits: it walks the recorded forwards in
+    order and stops at the first whose marks the device has not reached (`query()`); those are harvested
+    by a later call. Only when every mark of the pool is pending and unfinished does the clock wait for
+    the oldest forward (`num_forced_syncs` counts it; 0 in steady state, where each window harvests its
+    own after its outputs reached the host).
+    """
 
-    def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+    def __init__(self, device: torch.device, pool_size: int = 512, mark_factory: Callable[[], object] | None = None):
+        # Pending forwards hold 2 marks each and the last harvested end is kept for the next gap: with 4
+        # marks an exhausted pool always holds a completed forward to wait for.
+        if pool_size < 4:
+            raise ValueError(f"pool_size={pool_size} is too small (expected at least 4)")
+        if mark_factory is None:
+            mark_factory = cuda_timing_event if device.type == "cuda" else HostMark
+        self._free = deque(mark_factory() for _ in range(pool_size))
+        self._pending: deque[_Forward] = deque()
+        self._previous_end = None  # end mark of the last harvested forward, kept for the next gap
+        self._after_previous = False  # whether the next start() follows the previous forward at once
+        self._ready: list[StepTiming] = []
+        self.num_forced_syncs = 0
 
-    def start(self) -> None:
-        self.marks.append(self._mark())
+    def begin_window(self, continuing: bool) -> None:
+        """Before a window's first start(): its idle time since the previous forward is a gap only when
+        the window follows the previous one at once; the first step after idle has none."""
+        if self._pending and self._pending[-1].end is None:  # a window that raised left its start open
+            self.drop_start()
+        self._after_previous = continuing
+
+    def start(self, tag: StepTag) -> None:
+        mark = self._take()
+        mark.record()
+        self._pending.append(_Forward(tag, mark, None, self._after_previous))
 
     def end(self) -> None:
-        self.marks.append(self._mark())
+        mark = self._take()
+        mark.record()
+        self._pending[-1].end = mark
+        self._after_previous = True
 
-    def _between(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+    def drop_start(self) -> None:
+        """Forgets the start just recorded: the step ran nothing."""
+        forward = self._pending.pop()
+        assert forward.end is None, "drop_start() after end()"
+        self._free.append(forward.start)
 
-    def harvest(self) -> tuple[list[float], list[float], float | None]:
-        """(forward times, gaps between them, gap since the previous window or None)."""
-        if self.cuda:
-            self.marks[-1].synchronize()
-        span = [self._between(a, b) for a, b in zip(self.marks, self.marks[1:])]
-        boundary = self._between(self.previous_end, self.marks[0]) if self.previous_end is not None else None
-        return span[0::2], span[1::2], boundary
+    def harvest(self) -> list[StepTiming]:
+        """Timings of the forwards the device finished since the last harvest, oldest first."""
+        self._collect()
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _take(self):
+        if not self._free:
+            self._collect()  # harvest fell behind: free what the device has finished, still without waiting
+        if not self._free:
+            self._wait_oldest()
+        return self._free.popleft()
+
+    def _wait_oldest(self) -> None:
+        # Every mark is in use, so (pool_size >= 4) the oldest pending forward has both marks recorded.
+        self.num_forced_syncs += 1
+        oldest = self._pending[0]
+        oldest.start.synchronize()
+        oldest.end.synchronize()
+        self._collect()
+
+    def _collect(self) -> None:
+        pending = self._pending
+        while pending:
+            forward = pending[0]
+            if forward.end is None or not forward.end.query() or not forward.start.query():
+                return
+            pending.popleft()
+            previous = self._previous_end
+            gap = None
+            if previous is not None:
+                if forward.after_previous:
+                    gap = previous.elapsed_time(forward.start) / 1e3
+                self._free.append(previous)
+            self._ready.append(StepTiming(forward.tag, forward.start.elapsed_time(forward.end) / 1e3, gap))
+            self._free.append(forward.start)
+            self._previous_end = forward.end
+
+
+def pinned_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+class HostSlot:
+    """Host buffers for one step's outputs, and the event that says their copy landed."""
+
+    __slots__ = ("buffers", "event", "views")
+
+    def __init__(self, event):
+        self.event = event
+        self.buffers: list[torch.Tensor] = []  # 1-D, one per output tensor, grown to the largest seen
+        self.views: list[torch.Tensor] = []  # this step's shapes over the buffers
+
+    def copy_from(self, tensors: list[torch.Tensor], allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+        self.views = []
+        for i, x in enumerate(tensors):
+            if i == len(self.buffers):
+                self.buffers.append(allocate(_capacity(x.numel()), x.dtype))
+            elif self.buffers[i].dtype != x.dtype or self.buffers[i].numel() < x.numel():
+                self.buffers[i] = allocate(_capacity(x.numel()), x.dtype)
+            self.views.append(self.buffers[i][:x.numel()].view(x.shape).copy_(x, non_blocking=True))
+        self.event.record()
+
+    def values(self) -> list:
+        return [x.tolist() for x in self.views]
+
+
+def _capacity(numel: int) -> int:
+    return 1 << max(numel - 1, 0).bit_length()  # a power of two: a growing batch reallocates rarely
+
+
+class HostRing:
+    """Pinned host buffers for the asynchronous step copies, kept for the runner's lifetime. A slot goes
+    back to the ring only once its copy landed and was read, so a reused buffer is never still being
+    written; the ring grows by a slot when a window has more copies in flight than it holds."""
+
+    def __init__(self, allocate: Callable[[int, torch.dtype], torch.Tensor] = pinned_buffer,
+                 event_factory: Callable[[], object] | None = None):
+        self.allocate = allocate
+        self.event_factory = event_factory or torch.cuda.Event
+        self._free: deque[HostSlot] = deque()
+        self.num_slots = 0
+
+    def acquire(self) -> HostSlot:
+        if self._free:
+            return self._free.popleft()
+        self.num_slots += 1
+        return HostSlot(self.event_factory())
+
+    def release(self, slot: HostSlot) -> None:
+        self._free.append(slot)
 
 
 class StepStream:
-    """Hands each step's tokens to the host callback: at once (sync) or as its async copy lands."""
+    """Hands each step's tokens to the host callback: at once (sync) or as its async copy into a slot of
+    the runner's `HostRing` lands."""
 
-    def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings):
+    def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings, ring: HostRing | None):
         self.on_step = on_step
         self.timings = timings
-        self.pending: list[tuple[int, object, list]] = []
+        self.ring = ring
+        self.pending: deque[tuple[int, HostSlot]] = deque()
         self.last_tokens: list[int] = []
 
     def push(self, step: int, emitted: torch.Tensor, out, sync: bool) -> None:
@@ -688,19 +863,22 @@ class StepStream:
         if sync:
             self._deliver(step, [x.tolist() for x in tensors])
             return
-        host = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True) for x in tensors]
-        event = torch.cuda.Event()
-        event.record()
-        self.pending.append((step, event, host))
-        while self.pending and self.pending[0][1].query():
-            step_done, _, ready = self.pending.pop(0)
-            self._deliver(step_done, [x.tolist() for x in ready])
+        slot = self.ring.acquire()
+        slot.copy_from(tensors, self.ring.allocate)
+        self.pending.append((step, slot))
+        while self.pending and self.pending[0][1].event.query():
+            self._deliver_slot(*self.pending.popleft())
 
     def drain(self) -> None:
-        for step, event, host in self.pending:
-            event.synchronize()
-            self._deliver(step, [x.tolist() for x in host])
-        self.pending = []
+        while self.pending:
+            step, slot = self.pending.popleft()
+            slot.event.synchronize()
+            self._deliver_slot(step, slot)
+
+    def _deliver_slot(self, step: int, slot: HostSlot) -> None:
+        values = slot.values()
+        self.ring.release(slot)
+        self._deliver(step, values)
 
     def _deliver(self, step: int, values: list) -> None:
         out = StepOutput(step=step, tokens=values[0])

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from lockstep_engine.engine_core import CoreStats
 from lockstep_engine.metrics import CoreMetrics
-from lockstep_engine.model_runner import WindowTimings
+from lockstep_engine.model_runner import StepTag, StepTiming, WindowTimings
 
 from lockstep import metrics_names as n
 from lockstep import protocol as p
@@ -36,8 +36,9 @@ def _window(core, metrics: CoreMetrics, prompt_tokens: int, batch: int, boundary
     stats.update_s += 2e-5
     if prompt_tokens:
         stats.queue_times_s.append(0.003)
-    timings = WindowTimings(prepare_s=5e-5, forward_s=[0.004] + [0.001] * (N - 1), output_s=3e-4,
-                            gaps_s=[3e-6] * (N - 1), boundary_gap_s=boundary_gap)
+    first = StepTiming(StepTag(1, "prefill" if prompt_tokens else "decode", batch), 0.004, boundary_gap)
+    steps = [first] + [StepTiming(StepTag(k, "decode", batch), 0.001, 3e-6) for k in range(2, N + 1)]
+    timings = WindowTimings(prepare_s=5e-5, output_s=3e-4, num_steps=N, steps=steps)
     metrics.record_window(core, timings)
 
 
