@@ -90,6 +90,9 @@ def run_workload(llm: LLM, prompts, params, label: str) -> dict:
         "steps": stats.num_steps, "windows": stats.num_windows,
         "mean_batch": statistics.fmean(stats.step_batch_sizes) if stats.step_batch_sizes else 0,
         "step_ms": 1e3 * busy / max(stats.num_steps, 1),
+        # the step timer never waits on the device in steady state; the pinned output ring stops growing
+        "forced_syncs": llm.engine.runner.clock.num_forced_syncs,
+        "host_ring_slots": llm.engine.runner.host_ring.num_slots,
     }
 
 

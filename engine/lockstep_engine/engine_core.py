@@ -60,8 +60,12 @@ class EngineCore:
         # A shared runner may hold more KV memory than this engine is configured to use.
         num_blocks = min(runner.num_blocks, config.num_gpu_blocks_override or runner.num_blocks)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # With pipeline stages the limits hold per micro-batch, as they do per virtual engine in vLLM:
+        # a window of PP micro-batches carries up to PP x max_num_seqs rows.
+        micro = getattr(runner, "micro_batches", 1)
+        batched = config.max_num_batched_tokens * micro if config.max_num_batched_tokens else None
         self.scheduler = Scheduler(
-            SchedulerLimits(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            SchedulerLimits(max_num_seqs=config.max_num_seqs * micro, max_num_batched_tokens=batched,
                             max_model_len=config.max_model_len, num_scheduler_steps=config.num_scheduler_steps,
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.blocks)

@@ -38,3 +38,24 @@ def test_merger_joins_parts_in_row_order_and_delivers_steps_in_order():
     merger.add(2, 0, StepOutput(step=2, tokens=[8, -1], top_ids=[[8], [1]], top_logprobs=[[-0.5], [-0.7]]))
     assert got[1].tokens == [8, -1, -1] and got[1].top_ids == [[8], [1], []]
     assert got[1].logprobs is None
+
+
+def test_stage_layers_balance_the_lm_head_and_honour_an_explicit_partition(monkeypatch):
+    import pytest
+
+    from lockstep_engine.models.llama import stage_layers
+
+    def layout(num_layers, pp, head=0.0, partition=None):
+        ranges = [stage_layers(num_layers, r, pp, head, partition) for r in range(pp)]
+        assert [i for r in ranges for i in r] == list(range(num_layers))  # contiguous, each layer once
+        return [len(r) for r in ranges]
+
+    assert layout(30, 1, 8.0) == [30]
+    assert layout(30, 2) == [15, 15]
+    assert layout(30, 2, 8.0) == [19, 11]  # SmolLM2: the tied head weighs 8 layers
+    assert layout(32, 2, 2.41) == [17, 15]  # Llama-3-8B
+    assert layout(4, 4, 10.0) == [1, 1, 1, 1]  # never an empty stage
+    assert layout(30, 2, partition="20,10") == [20, 10]
+    for bad in ("20,11", "30", "a,b", "30,0"):
+        with pytest.raises(ValueError, match=f"LOCKSTEP_PP_LAYER_PARTITION='{bad}' is invalid"):
+            stage_layers(30, 0, 2, 0.0, bad)

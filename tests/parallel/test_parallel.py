@@ -183,3 +183,20 @@ def test_guided_json_on_tp_and_pp_groups_matches_one_process():
         if index != 2:
             assert finish == "stop", text
             jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_pipeline_limits_hold_per_micro_batch():
+    """As vLLM's per-virtual-engine schedulers: PP=2 with max_num_seqs=2 keeps 4 rows in a window."""
+    script = r"""
+import json
+from lockstep_engine.llm import LLM
+from lockstep_engine.sampling_params import SamplingParams
+llm = LLM("random:tiny", pipeline_parallel_size=2, max_num_seqs=2, num_scheduler_steps=4,
+          kv_cache_memory_bytes=64 << 20, max_model_len=256)
+llm.generate([[3 + i, 5, 7] for i in range(6)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+print(json.dumps(max(llm.engine.core.stats.step_batch_sizes)))
+"""
+    env = dict(os.environ, LOCKSTEP_CPU_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == 4
