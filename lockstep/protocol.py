@@ -4,6 +4,10 @@ Plain dataclasses, pickled over a pipe: no torch, no web framework, nothing from
 gateway or a test can import them. The API side sends requests, aborts and stop-string hits; the
 core answers with one `StepOutputs` per decode step (streaming is per token, not per window), the
 stats the scheduler sees, and a heartbeat that proves its loop is alive.
+
+`SequenceOutput` and `TokenLogprobs` are also the engine's own types: `EngineCore` emits them and
+`Sequence.logprobs` holds them, so the core process ships its outputs as they are (no copy per
+token) and the in-process `LLMEngine` reads the same objects.
 """
 
 from __future__ import annotations
@@ -58,23 +62,23 @@ class CoreReady:
 
 
 @dataclass
-class TokenLogprob:
-    """Logprob of the chosen token and the top-k alternatives (same fields as the engine's TokenLogprobs)."""
+class TokenLogprobs:
+    """Logprob of the chosen token and the top-k alternatives at one position."""
 
     token_id: int
     logprob: float
     rank: int
-    top: list[tuple[int, float]]
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
 
 
 @dataclass
 class SequenceOutput:
-    """New tokens of one sample of a request at one step."""
+    """New tokens of one sample of a request at one step, as the engine core emits them."""
 
     request_id: str
     index: int
     token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
+    logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

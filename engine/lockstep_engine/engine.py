@@ -6,8 +6,9 @@ import itertools
 import random
 import time
 
+from lockstep.protocol import SequenceOutput
 from lockstep_engine.config import EngineConfig
-from lockstep_engine.engine_core import CoreOutput, EngineCore
+from lockstep_engine.engine_core import EngineCore
 from lockstep_engine.distributed import create_runner
 from lockstep_engine.output_processor import OutputProcessor, RequestState
 from lockstep_engine.outputs import CompletionOutput, RequestOutput
@@ -70,7 +71,7 @@ class LLMEngine:
         return self.core.has_unfinished()
 
     # ---- loop -------------------------------------------------------------------------------
-    def _apply(self, output: CoreOutput) -> None:
+    def _apply(self, output: SequenceOutput) -> None:
         state, stop = self.processor.process(output)
         if state is None:
             return
@@ -80,7 +81,7 @@ class LLMEngine:
 
     def step(self, on_step=None) -> list[RequestOutput]:
         """Runs one window; returns the requests it changed. `on_step(outputs)` sees every step."""
-        def emit(outputs: list[CoreOutput]) -> None:
+        def emit(outputs: list[SequenceOutput]) -> None:
             for output in outputs:
                 self._apply(output)
             if on_step is not None:

@@ -11,24 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from lockstep.protocol import SequenceOutput, TokenLogprobs
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.model_runner import ModelRunner, StepOutput, WindowTimings
 from lockstep_engine.scheduler import Scheduler, SchedulerLimits, WindowPlan
-from lockstep_engine.sequence import Request, Sequence, SequenceStatus, TokenLogprobs
-
-
-@dataclass
-class CoreOutput:
-    """New tokens of one sequence, as the core emits them (one per step)."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None  # stop | length | abort
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+from lockstep_engine.sequence import Request, Sequence, SequenceStatus
 
 
 @dataclass
@@ -87,7 +75,7 @@ class EngineCore:
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str) -> list[CoreOutput]:
+    def abort_request(self, request_id: str) -> list[SequenceOutput]:
         """Aborts a request at any time; blocks of a sequence in flight are freed when its window ends."""
         request = self.requests.get(request_id)
         if request is None:
@@ -97,7 +85,7 @@ class EngineCore:
         for seq in request.sequences:
             if not seq.is_finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-                outputs.append(CoreOutput(request_id, seq.index, [], None, "abort"))
+                outputs.append(SequenceOutput(request_id, seq.index, [], None, "abort"))
         if not self._in_flight:
             self._release_finished()
         return outputs
@@ -138,7 +126,7 @@ class EngineCore:
                            all(s.is_finished for s in r.sequences)]:
             del self.requests[request_id]
 
-    def step(self, emit: Callable[[list[CoreOutput]], None]) -> WindowTimings | None:
+    def step(self, emit: Callable[[list[SequenceOutput]], None]) -> WindowTimings | None:
         """Plans and runs one window; `emit` receives each step's outputs as the step completes."""
         started = time.perf_counter()
         self.scheduler.fork_ready_requests([r for r in self.requests.values() if not r.forked])
@@ -206,7 +194,7 @@ class EngineCore:
         stats.update_s += time.perf_counter() - update_start
         return timings
 
-    def _append_token(self, seq: Sequence, token: int, step: StepOutput, i: int) -> CoreOutput:
+    def _append_token(self, seq: Sequence, token: int, step: StepOutput, i: int) -> SequenceOutput:
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
@@ -228,5 +216,5 @@ class EngineCore:
         elif seq.remaining_tokens <= 0:
             finish = "length"
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-        return CoreOutput(seq.request.request_id, seq.index, [token], logprobs, finish, stop_reason,
-                          seq.request.num_cached_tokens)
+        return SequenceOutput(seq.request.request_id, seq.index, [token], logprobs, finish, stop_reason,
+                              seq.request.num_cached_tokens)

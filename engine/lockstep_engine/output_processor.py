@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lockstep_engine.sequence import TokenLogprobs
+from lockstep.protocol import SequenceOutput, TokenLogprobs
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
@@ -124,7 +124,7 @@ class OutputProcessor:
         self.states[request_id] = state
         return state
 
-    def process(self, output) -> tuple[RequestState | None, str | None]:
+    def process(self, output: SequenceOutput) -> tuple[RequestState | None, str | None]:
         """Applies one core output; returns the request state and a stop string that ended it, if any."""
         state = self.states.get(output.request_id)
         if state is None:

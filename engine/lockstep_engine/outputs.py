@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lockstep_engine.sequence import TokenLogprobs
+from lockstep.protocol import TokenLogprobs
 
 
 @dataclass

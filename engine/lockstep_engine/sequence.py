@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from lockstep.protocol import TokenLogprobs
 from lockstep_engine.sampling_params import SamplingParams
 
 
@@ -21,16 +22,6 @@ class SequenceStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
                         SequenceStatus.FINISHED_ABORTED)
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob of the chosen token and the top-k alternatives at one position."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
 
 
 _seq_ids = itertools.count()

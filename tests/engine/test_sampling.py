@@ -1,7 +1,10 @@
 """Device-side sampling: seeds independent of batch and window, n > 1, filters, penalties, bias."""
 
+import pickle
+
 import pytest
 
+from lockstep import protocol as p
 from lockstep_engine.sampling_params import SamplingParams
 
 PROMPTS = [[1, 5, 9, 13], [100, 200, 300], [7] * 20, [42, 43]]
@@ -99,3 +102,16 @@ def test_logprobs_and_top_logprobs(make_llm):
         assert values == sorted(values, reverse=True)
         if entry.rank <= 5:
             assert entry.top[entry.rank - 1][0] == token
+
+
+def test_core_emits_protocol_outputs_that_cross_the_pipe_as_they_are(tiny):
+    """The core process sends what `EngineCore` emits, logprobs included, without a copy per token."""
+    engine = tiny.engine
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True))
+    emitted = []
+    while engine.has_unfinished_requests():
+        engine.step(on_step=emitted.extend)
+    assert [type(o) for o in emitted] == [p.SequenceOutput] * 3
+    assert [type(e) for o in emitted for e in o.logprobs] == [p.TokenLogprobs] * 3
+    assert [o.finish_reason for o in emitted] == [None, None, "length"]
+    assert pickle.loads(pickle.dumps(p.StepOutputs(emitted, 0.0))).outputs == emitted

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from lockstep.protocol import TokenLogprobs
 from lockstep_engine import guided
 from lockstep_engine.api import metrics
 from lockstep_engine.api.client import EngineCoreClient, EngineDeadError, Generation, RequestRejected
@@ -265,7 +266,7 @@ class OpenAIServing:
                                             "stop_reason": seq.stop_reason if finishing else None}]})
         return chunks
 
-    def _completion_logprobs(self, entries, text_offset: int) -> dict:
+    def _completion_logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> dict:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for entry in entries:
             text = self.token_str(entry.token_id)
@@ -331,7 +332,7 @@ class OpenAIServing:
                                            seq.stop_reason if finishing else None))
         return chunks
 
-    def _chat_logprobs(self, entries) -> list[dict]:
+    def _chat_logprobs(self, entries: list[TokenLogprobs]) -> list[dict]:
         content = []
         for entry in entries:
             text = self.token_str(entry.token_id)

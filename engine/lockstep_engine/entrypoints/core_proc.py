@@ -102,7 +102,7 @@ class CoreLoop:
             for request_id in message.request_ids:
                 outputs += self.core.abort_request(request_id)
             if outputs:
-                self.writer.send(p.StepOutputs([_to_protocol(o) for o in outputs], time.monotonic()))
+                self.writer.send(p.StepOutputs(outputs, time.monotonic()))
         elif isinstance(message, p.StopSequence):
             self.core.stop_sequence(message.request_id, message.index, message.stop)
         elif isinstance(message, p.Shutdown):
@@ -136,7 +136,7 @@ class CoreLoop:
     # ---- the loop ---------------------------------------------------------------------------
     def _emit(self, outputs) -> None:
         if outputs:
-            self.writer.send(p.StepOutputs([_to_protocol(o) for o in outputs], time.monotonic()))
+            self.writer.send(p.StepOutputs(outputs, time.monotonic()))
         self.progress_at = time.monotonic()
         # Aborts and stop strings take effect inside the window: fewer wasted steps.
         self._drain(block=False, in_window=True)
@@ -173,14 +173,6 @@ class CoreLoop:
                 if timings is not None:
                     self.metrics.record_window(self.core, timings)
             self._publish_stats()
-
-
-def _to_protocol(output) -> p.SequenceOutput:
-    logprobs = None
-    if output.logprobs is not None:
-        logprobs = [p.TokenLogprob(e.token_id, e.logprob, e.rank, list(e.top)) for e in output.logprobs]
-    return p.SequenceOutput(output.request_id, output.index, list(output.token_ids), logprobs,
-                            output.finish_reason, output.stop_reason, getattr(output, "num_cached_tokens", 0))
 
 
 def _build_core(config):
