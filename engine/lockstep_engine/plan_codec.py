@@ -78,13 +78,11 @@ class _SentRequest:
     num_sequences: int  # sequences of this request the workers mirror
 
 
-class PlanEncoder:
-    """Leader side: turns each `WindowPlan` into a message of deltas against the workers' mirrors."""
+class _Tracked:
+    """What each side keeps per sequence and per request, and how much of it there is."""
 
-    def __init__(self) -> None:
-        self._sequences: dict[Key, _SentSequence] = {}
-        self._requests: dict[str, _SentRequest] = {}
-        self._next_message: int | None = 0  # None after an error: the mirrors may not match any more
+    _sequences: dict
+    _requests: dict
 
     @property
     def num_sequences(self) -> int:
@@ -93,6 +91,15 @@ class PlanEncoder:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+
+class PlanEncoder(_Tracked):
+    """Leader side: turns each `WindowPlan` into a message of deltas against the workers' mirrors."""
+
+    def __init__(self) -> None:
+        self._sequences: dict[Key, _SentSequence] = {}
+        self._requests: dict[str, _SentRequest] = {}
+        self._next_message: int | None = 0  # None after an error: the mirrors may not match any more
 
     def encode(self, plan: WindowPlan) -> bytes:
         """The message for one window; every message must reach every worker, in order."""
@@ -196,21 +203,13 @@ def _block_delta(sent: _SentSequence) -> tuple[int, list[int]]:
 
 
 # ---- worker -----------------------------------------------------------------------------------
-class PlanDecoder:
+class PlanDecoder(_Tracked):
     """Worker side: applies each message to mirror sequences and returns the window to run."""
 
     def __init__(self) -> None:
         self._sequences: dict[Key, Sequence] = {}
         self._requests: dict[str, Request] = {}
         self._next_message: int | None = 0  # None after an error: the mirrors cannot be trusted
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self._sequences)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
 
     def decode(self, data: bytes) -> WindowPlan | None:
         """The window of this message (its sequences are the mirrors), or None for a release-only message."""
