@@ -22,9 +22,11 @@ from lockstep_engine.attention import AttentionMetadata, make_backend
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.models.llama import LlamaForCausalLM
 from lockstep_engine.parallel import SINGLE, ParallelState, broadcast_from_sampler, pp_isend, pp_recv, pp_send
-from lockstep_engine.sampler import SampleOutput, Sampler, SamplingTensors, row_seed
+from lockstep_engine.sampler import SampleOutput, Sampler, SamplingTensors
 from lockstep_engine.scheduler import WindowPlan
 from lockstep_engine.sources import ModelSource, log
+from lockstep_engine.step_inputs import (SamplingCache, first_step_arrays, output_counts,
+                                         sampling_arrays, sampling_tensors, to_device)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 
@@ -140,6 +142,7 @@ class ModelRunner:
         log(f"loaded {source.spec} on {self.device} as {str(self.dtype).removeprefix('torch.')} "
             f"in {time.monotonic() - started:.1f}s")
         self.sampler = Sampler()
+        self.sampling_cache = SamplingCache(mc.vocab_size, mc.eos_token_ids)
         self.block_size = config.block_size
         self.num_blocks = self._count_kv_blocks()
         if state.tp_size * state.pp_size > 1:
@@ -231,57 +234,6 @@ class ModelRunner:
             attn.v_cache[dst] = attn.v_cache[src]
 
     # ---- a window ---------------------------------------------------------------------------
-    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
-
-    def _block_table(self, rows) -> torch.Tensor:
-        width = max(len(row.seq.block_ids) for row in rows)
-        return self._tensor([row.seq.block_ids + [self.num_blocks] * (width - len(row.seq.block_ids)) for row in rows])
-
-    def _sampling_tensors(self, rows) -> SamplingTensors:
-        vocab = self.model_config.vocab_size
-        eos = list(self.model_config.eos_token_ids)
-        params = [row.seq.request.params for row in rows]
-        stops = [sorted(set(p.stop_token_ids + ([] if p.ignore_eos else eos))) for p in params]
-        width = max(len(s) for s in stops)
-        penalties = any(p.has_penalties for p in params)
-        biases = any(p.logit_bias for p in params)
-        logprob_rows = [p.logprobs for p in params if p.logprobs is not None]
-        t = SamplingTensors(
-            temperature=self._tensor([0.0 if p.is_greedy else p.temperature for p in params], torch.float32),
-            top_k=self._tensor([p.top_k if p.top_k > 0 else vocab for p in params]),
-            top_p=self._tensor([p.top_p for p in params], torch.float32),
-            min_p=self._tensor([p.min_p for p in params], torch.float32),
-            seeds=self._tensor([row_seed(row.seq.request.seed, row.seq.index) for row in rows]),
-            stop_ids=self._tensor([s + [-1] * (width - len(s)) for s in stops]).view(len(rows), width),
-            min_tokens=self._tensor([p.min_tokens for p in params]),
-            presence=self._tensor([p.presence_penalty for p in params], torch.float32) if penalties else None,
-            frequency=self._tensor([p.frequency_penalty for p in params], torch.float32) if penalties else None,
-            repetition=self._tensor([p.repetition_penalty for p in params], torch.float32) if penalties else None,
-            prompt_mask=None, logit_bias=None,
-            all_greedy=all(p.is_greedy for p in params),
-            any_filter=any(p.needs_filtering and not p.is_greedy for p in params),
-            num_logprobs=max(logprob_rows) if logprob_rows else -1,
-        )
-        if penalties:
-            t.prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=self.device)
-            for index, row in enumerate(rows):
-                t.prompt_mask[index, self._tensor(row.seq.token_ids[:row.seq.prompt_len])] = True
-        if biases:
-            t.logit_bias = torch.zeros(len(rows), vocab, dtype=torch.float32, device=self.device)
-            for index, p in enumerate(params):
-                for token, bias in (p.logit_bias or {}).items():
-                    t.logit_bias[index, token] = bias
-        return t
-
-    def _output_counts(self, rows, vocab: int) -> torch.Tensor:
-        counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=self.device)
-        for index, row in enumerate(rows):
-            outputs = row.seq.output_token_ids
-            if outputs:
-                counts[index].index_add_(0, self._tensor(outputs), torch.ones(len(outputs), device=self.device))
-        return counts
-
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  sends: list | None = None):
         """This stage's layers; hidden states come from the previous stage and go to the next
@@ -335,37 +287,28 @@ class ModelRunner:
 
     def _first_step(self, rows) -> "FirstStep":
         """Step 1 of a window: every row's scheduled tokens, flattened, and its sampling rows."""
-        bs = self.block_size
-        input_ids, positions, slots, starts, seq_lens, sample_index = [], [], [], [0], [], []
-        for row in rows:
-            seq, begin = row.seq, row.start_computed
-            end = begin + row.num_new_tokens
-            input_ids += seq.token_ids[begin:end]
-            positions += range(begin, end)
-            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(begin, end)]
-            starts.append(starts[-1] + row.num_new_tokens)
-            seq_lens.append(end)
-            if row.samples:
-                sample_index.append(starts[-1] - 1)
-        decode_only = starts[-1] == len(rows)
-        block_table = self._block_table(rows)
-        seq_lens_t = self._tensor(seq_lens)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), block_tables=block_table, seq_lens=seq_lens_t,
-            query_start_loc=None if decode_only else self._tensor(starts), query_start_loc_host=starts,
-            seq_lens_host=seq_lens, max_seq_len=max(seq_lens))
+        host = first_step_arrays(rows, self.block_size, self.num_blocks)
         sampling_rows = [row for row in rows if row.samples]
-        sample_sel = [i for i, row in enumerate(rows) if row.samples]
-        t = self._sampling_tensors(sampling_rows) if sampling_rows else None
-        counts = None
-        if t is not None and t.presence is not None:
-            counts = self._output_counts(sampling_rows, self.model_config.vocab_size)
+        sampling = sampling_arrays(sampling_rows, self.sampling_cache) if sampling_rows else None
+        views = to_device(host | sampling.arrays if sampling else host, self.device)
+        vocab = self.model_config.vocab_size
+        t = counts = None
+        if sampling is not None:
+            t = sampling_tensors(sampling, views, len(sampling_rows), vocab, self.device)
+            if sampling.penalties:
+                counts = output_counts(views, len(sampling_rows), vocab, self.device)
+        decode_only = host["input_ids"].size == len(rows)
+        seq_lens = host["seq_lens"]
+        meta = AttentionMetadata(
+            slot_mapping=views["slots"], block_tables=views["block_table"], seq_lens=views["seq_lens"],
+            query_start_loc=None if decode_only else views["query_start"],
+            query_start_loc_host=host["query_start"].tolist(), seq_lens_host=seq_lens.tolist(),
+            max_seq_len=int(seq_lens.max()))
         return FirstStep(
-            input_ids=self._tensor(input_ids), positions=self._tensor(positions), meta=meta,
-            block_table=block_table, seq_lens=seq_lens_t, sample_index=self._tensor(sample_index),
-            sample_sel=self._tensor(sample_sel), sampling_rows=sampling_rows, sampling=t, counts=counts,
-            num_generated=self._tensor([row.seq.num_output_tokens for row in sampling_rows]),
-            max_dec_len=max((seq_lens[i] for i in sample_sel), default=0))
+            input_ids=views["input_ids"], positions=views["positions"], meta=meta, block_table=views["block_table"],
+            seq_lens=views["seq_lens"], sample_index=views["sample_index"], sample_sel=views["sample_sel"],
+            sampling_rows=sampling_rows, sampling=t, counts=counts, num_generated=views["num_generated"],
+            max_steps=views["max_steps"], max_dec_len=int(seq_lens[host["sample_sel"]].max(initial=0)))
 
     def _decode_state(self, first: "FirstStep", out: SampleOutput) -> "DecodeState":
         """Device state of the decode steps after step 1, with step 1's samples fed back."""
@@ -374,8 +317,8 @@ class ModelRunner:
             tokens=out.tokens, positions=first.seq_lens[sel], table=first.block_table[sel],
             done=torch.zeros(len(first.sampling_rows), dtype=torch.bool, device=self.device),
             steps_done=torch.zeros(len(first.sampling_rows), dtype=torch.int64, device=self.device),
-            max_steps=self._tensor([row.max_steps for row in first.sampling_rows]),
-            num_generated=first.num_generated, sampling=first.sampling, counts=first.counts)
+            max_steps=first.max_steps, num_generated=first.num_generated, sampling=first.sampling,
+            counts=first.counts)
         self._advance(state, out)
         return state
 
@@ -598,7 +541,8 @@ class FirstStep:
     sampling_rows: list
     sampling: SamplingTensors | None
     counts: torch.Tensor | None
-    num_generated: torch.Tensor
+    num_generated: torch.Tensor  # [sampling rows] output tokens before the window
+    max_steps: torch.Tensor  # [sampling rows] tokens each may sample in the window
     max_dec_len: int  # longest sampling row after step 1
 
 

@@ -1,0 +1,228 @@
+"""A window's first-step inputs, built on the host with numpy and sent to the device in one copy per dtype.
+
+On CUDA every `torch.tensor(list)` is a synchronous host-to-device copy of its own, and the first step
+of a window needs about fifteen small per-row tensors: at batch 256, building them from Python lists
+one by one kept the GPU idle for milliseconds at every window boundary. Here the per-row fields are
+read once per row into numpy arrays (a decode row has one new token: no loop runs over its context),
+on CUDA the arrays are packed into one pinned int64 and one float32 host buffer, and each buffer goes
+to the device with one non-blocking copy; the runner's tensors are views of the device buffers.
+
+A sequence's sampling constants (seed, stop ids, parameters) are converted once and kept with the
+sequence (weakly: they go when the sequence goes).
+"""
+
+from __future__ import annotations
+
+import weakref
+from array import array
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lockstep_engine.sampler import SamplingTensors, row_seed
+
+_ALIGN = 16  # elements: every packed array starts 128-byte aligned (int64), as a separate allocation would
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
+
+
+def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Device tensors of host arrays, under the same names: on the CPU the arrays themselves (no copy),
+    elsewhere views of one device buffer per dtype (`packed_to_device`)."""
+    if device.type == "cpu":
+        return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in arrays.items()}
+    return packed_to_device(arrays, device)
+
+
+def packed_to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Packs the arrays into one host buffer per dtype, copies each buffer to the device at once, and
+    returns views of the device buffers under the arrays' names and shapes.
+
+    On CUDA the host buffer is pinned and the copy non-blocking: PyTorch's caching host allocator does
+    not hand a pinned block out again before the copies that read it have run.
+    """
+    groups: dict[np.dtype, list[str]] = {}
+    for name, array in arrays.items():
+        groups.setdefault(array.dtype, []).append(name)
+    views = {}
+    for dtype, names in groups.items():
+        offsets = [0]
+        for name in names:
+            offsets.append(offsets[-1] + -(-arrays[name].size // _ALIGN) * _ALIGN)
+        staging = torch.empty(offsets[-1], dtype=_TORCH_DTYPES[dtype], pin_memory=device.type == "cuda")
+        flat = staging.numpy()
+        for name, offset in zip(names, offsets):
+            flat[offset:offset + arrays[name].size] = arrays[name].ravel()
+        on_device = staging.to(device, non_blocking=True)
+        for name, offset in zip(names, offsets):
+            array = arrays[name]
+            views[name] = on_device[offset:offset + array.size].view(array.shape)
+    return views
+
+
+def pad_rows(lists: list, fill: int) -> np.ndarray:
+    """[len(lists), longest] int64 from ragged rows of ints, padded on the right with `fill`."""
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    table = np.full((len(lists), int(lengths.max(initial=0))), fill, np.int64)
+    # The mask's true cells, in row-major order, are exactly the rows' entries in order.
+    table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(chain.from_iterable(lists), np.int64,
+                                                                     int(lengths.sum()))
+    return table
+
+
+def first_step_arrays(rows, block_size: int, sink_block: int) -> dict[str, np.ndarray]:
+    """Host arrays of a window's first step. Tokens of all rows are flattened in row order.
+
+    input_ids, positions, slots: [tokens]; query_start: [rows + 1]; seq_lens: [rows] after step 1;
+    block_table: [rows, max_blocks] padded with the sink block; sample_index (flattened index of each
+    sampling row's last token), sample_sel (its row), num_generated, max_steps: [sampling rows].
+    """
+    num_rows = len(rows)
+    start = np.fromiter((row.start_computed for row in rows), np.int64, num_rows)
+    num_new = np.fromiter((row.num_new_tokens for row in rows), np.int64, num_rows)
+    samples = np.fromiter((row.samples for row in rows), bool, num_rows)
+    query_start = np.zeros(num_rows + 1, np.int64)
+    np.cumsum(num_new, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+    block_table = pad_rows([row.seq.block_ids for row in rows], sink_block)
+    if num_tokens == num_rows:  # decode rows only: one token each
+        input_ids = np.fromiter((row.seq.token_ids[row.start_computed] for row in rows), np.int64, num_rows)
+        token_row = np.arange(num_rows)
+        positions = start
+    else:
+        input_ids = np.fromiter(chain.from_iterable(
+            row.seq.token_ids[row.start_computed:row.start_computed + row.num_new_tokens] for row in rows),
+            np.int64, num_tokens)
+        token_row = np.repeat(np.arange(num_rows), num_new)
+        positions = start[token_row] + np.arange(num_tokens) - query_start[token_row]
+    slots = block_table[token_row, positions // block_size] * block_size + positions % block_size
+    sample_sel = np.flatnonzero(samples)
+    sampling_rows = [row for row in rows if row.samples]
+    return {
+        "input_ids": input_ids, "positions": positions, "slots": slots, "query_start": query_start,
+        "seq_lens": start + num_new, "block_table": block_table,
+        "sample_index": query_start[1:][sample_sel] - 1, "sample_sel": sample_sel,
+        "num_generated": np.fromiter((len(row.seq.token_ids) - row.seq.request.prompt_len for row in sampling_rows),
+                                     np.int64, len(sampling_rows)),
+        "max_steps": np.fromiter((row.max_steps for row in sampling_rows), np.int64, len(sampling_rows)),
+    }
+
+
+class RowSampling(NamedTuple):
+    """What a sequence's sampling rows carry, fixed for the sequence's lifetime."""
+
+    ints: bytes  # int64 top_k (vocab size when off), seed, min_tokens
+    floats: bytes  # float32 temperature (0 for greedy), top_p, min_p
+    stop_ids: tuple[int, ...]  # EOS (unless ignore_eos) and stop_token_ids, sorted
+    filtered: bool  # top-k/top-p/min-p apply (a sampled row with a filter)
+    num_logprobs: int  # -1: no logprobs
+    penalties: tuple[float, float, float] | None  # presence, frequency, repetition
+    logit_bias: dict[int, float] | None
+
+
+_INT_FIELDS = ("top_k", "seeds", "min_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+class SamplingCache:
+    """`RowSampling` per sequence, computed on a sequence's first window and kept while it lives."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, seq) -> RowSampling:
+        row = self._rows.get(seq)
+        if row is None:
+            row = self._rows[seq] = self._build(seq)
+        return row
+
+    def _build(self, seq) -> RowSampling:
+        p = seq.request.params
+        ints = (p.top_k if p.top_k > 0 else self.vocab_size, row_seed(seq.request.seed, seq.index), p.min_tokens)
+        floats = (0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p)
+        return RowSampling(
+            ints=array("q", ints).tobytes(), floats=array("f", floats).tobytes(),
+            stop_ids=tuple(sorted(set(p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)))),
+            filtered=p.needs_filtering and not p.is_greedy, num_logprobs=-1 if p.logprobs is None else p.logprobs,
+            penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) if p.has_penalties else None,
+            logit_bias=p.logit_bias or None)
+
+
+@dataclass
+class HostSampling:
+    """The sampling rows' parameters on the host: arrays for `to_device`, flags for `SamplingTensors`."""
+
+    arrays: dict[str, np.ndarray]
+    all_greedy: bool
+    any_filter: bool
+    num_logprobs: int
+    penalties: bool
+    biases: bool
+
+
+def sampling_arrays(sampling_rows, cache: SamplingCache) -> HostSampling:
+    """temperature, top_p, min_p (float32), top_k, seeds, min_tokens: [rows]; stop_ids: [rows, S] padded with
+    -1. With penalties: presence, frequency, repetition [rows], and the (row, token) pairs of the prompt
+    masks and output counts; with logit bias: its (row, token, bias) entries."""
+    params = [cache.get(row.seq) for row in sampling_rows]
+    count = len(params)
+    # [fields, rows], one contiguous (and writable) row per field
+    ints = np.frombuffer(b"".join(p.ints for p in params), np.int64).reshape(count, len(_INT_FIELDS)).T.copy()
+    floats = np.frombuffer(b"".join(p.floats for p in params), np.float32).reshape(count, len(_FLOAT_FIELDS)).T.copy()
+    arrays = dict(zip(_INT_FIELDS, ints)) | dict(zip(_FLOAT_FIELDS, floats))
+    arrays["stop_ids"] = pad_rows([p.stop_ids for p in params], -1)
+    penalties = any(p.penalties is not None for p in params)
+    if penalties:
+        values = np.array([p.penalties or (0.0, 0.0, 1.0) for p in params], np.float32).reshape(count, 3)
+        arrays.update(presence=values[:, 0], frequency=values[:, 1], repetition=values[:, 2])
+        seqs = [row.seq for row in sampling_rows]
+        arrays.update(_row_token_pairs("prompt", [seq.token_ids[:seq.prompt_len] for seq in seqs]))
+        arrays.update(_row_token_pairs("output", [seq.token_ids[seq.prompt_len:] for seq in seqs]))
+    biases = any(p.logit_bias for p in params)
+    if biases:
+        maps = [p.logit_bias or {} for p in params]
+        arrays.update(_row_token_pairs("bias", [list(m) for m in maps]))
+        arrays["bias_values"] = np.fromiter(chain.from_iterable(m.values() for m in maps), np.float32,
+                                            arrays["bias_tokens"].size)
+    return HostSampling(arrays, all_greedy=not arrays["temperature"].any(), any_filter=any(p.filtered for p in params),
+                        num_logprobs=max((p.num_logprobs for p in params), default=-1), penalties=penalties,
+                        biases=biases)
+
+
+def _row_token_pairs(prefix: str, lists: list) -> dict[str, np.ndarray]:
+    """`{prefix}_rows`, `{prefix}_tokens`: every (row, token) of ragged per-row token lists, flattened."""
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    tokens = np.fromiter(chain.from_iterable(lists), np.int64, int(lengths.sum()))
+    return {f"{prefix}_rows": np.repeat(np.arange(len(lists)), lengths), f"{prefix}_tokens": tokens}
+
+
+def sampling_tensors(host: HostSampling, views: dict[str, torch.Tensor], num_rows: int, vocab_size: int,
+                     device: torch.device) -> SamplingTensors:
+    """The window's `SamplingTensors` from the device views of `sampling_arrays`' arrays."""
+    t = SamplingTensors(
+        temperature=views["temperature"], top_k=views["top_k"], top_p=views["top_p"], min_p=views["min_p"],
+        seeds=views["seeds"], stop_ids=views["stop_ids"], min_tokens=views["min_tokens"],
+        presence=views.get("presence"), frequency=views.get("frequency"), repetition=views.get("repetition"),
+        prompt_mask=None, logit_bias=None, all_greedy=host.all_greedy, any_filter=host.any_filter,
+        num_logprobs=host.num_logprobs)
+    if host.penalties:
+        t.prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+        t.prompt_mask[views["prompt_rows"], views["prompt_tokens"]] = True
+    if host.biases:
+        t.logit_bias = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+        t.logit_bias[views["bias_rows"], views["bias_tokens"]] = views["bias_values"]
+    return t
+
+
+def output_counts(views: dict[str, torch.Tensor], num_rows: int, vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32: how often each token occurs in each sampling row's output so far."""
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+    rows, tokens = views["output_rows"], views["output_tokens"]
+    counts.index_put_((rows, tokens), torch.ones(tokens.shape[0], dtype=torch.float32, device=device),
+                      accumulate=True)
+    return counts
