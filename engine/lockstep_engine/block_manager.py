@@ -116,14 +116,15 @@ class BlockManager:
         self.prefix_cache_hits += seq.num_computed
         return seq.num_computed
 
+    def _shares_next_write(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether writing slots up to `num_tokens` starts in a shared, partly filled block (copy-on-write)."""
+        first_write = seq.num_computed // self.block_size
+        return (first_write < len(seq.block_ids) and num_tokens > seq.num_computed
+                and self._blocks[seq.block_ids[first_write]].ref_count > 1)
+
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to take so that slots up to `num_tokens` are writable by this sequence alone."""
-        needed = max(self.blocks_for(num_tokens) - len(seq.block_ids), 0)
-        first_write = seq.num_computed // self.block_size
-        if first_write < len(seq.block_ids) and num_tokens > seq.num_computed:
-            if self._blocks[seq.block_ids[first_write]].ref_count > 1:
-                needed += 1  # copy-on-write of a shared, partly filled block
-        return needed
+        return max(self.blocks_for(num_tokens) - len(seq.block_ids), 0) + self._shares_next_write(seq, num_tokens)
 
     def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_blocks_needed(seq, num_tokens) <= self.num_free_blocks
@@ -134,18 +135,30 @@ class BlockManager:
         This is the lookahead reservation of a multi-step window: every slot the window may write is
         owned before the window starts, so the device never waits for the host mid-window.
         """
-        if self.num_blocks_needed(seq, num_tokens) > self.num_free_blocks:
+        copies = self.try_reserve(seq, num_tokens)
+        if copies is None:
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs more KV blocks than are free")
+        return copies
+
+    def try_reserve(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
+        """`reserve`, or None (and nothing changed) when too few blocks are free. A decoding sequence
+        needs a new block only every `block_size` tokens: most calls take nothing and return at once."""
+        num_new = self.blocks_for(num_tokens) - len(seq.block_ids)
+        copy = self._shares_next_write(seq, num_tokens)
+        if num_new <= 0 and not copy:
+            return []
+        num_new = max(num_new, 0)
+        if num_new + copy > self.num_free_blocks:
+            return None
         copies = []
-        first_write = seq.num_computed // self.block_size
-        if first_write < len(seq.block_ids) and num_tokens > seq.num_computed:
+        if copy:
+            first_write = seq.num_computed // self.block_size
             shared = seq.block_ids[first_write]
-            if self._blocks[shared].ref_count > 1:
-                fresh = self._take_block()
-                self._unref(shared)
-                seq.block_ids[first_write] = fresh
-                copies.append((shared, fresh))
-        while len(seq.block_ids) < self.blocks_for(num_tokens):
+            fresh = self._take_block()
+            self._unref(shared)
+            seq.block_ids[first_write] = fresh
+            copies.append((shared, fresh))
+        for _ in range(num_new):
             seq.block_ids.append(self._take_block())
         return copies
 

@@ -119,12 +119,17 @@ class EngineCore:
         self._pending_release.append(seq)
 
     def _release_finished(self) -> None:
-        for seq in self._pending_release:
+        """Frees the blocks of sequences that finished, and forgets requests with nothing left to run.
+
+        A request only ends when one of its sequences does, so only those requests are looked at.
+        """
+        released, self._pending_release = self._pending_release, []
+        for seq in released:
             self.scheduler.finish(seq, seq.status)
-        self._pending_release = []
-        for request_id in [rid for rid, r in self.requests.items() if r.is_finished or r.aborted and
-                           all(s.is_finished for s in r.sequences)]:
-            del self.requests[request_id]
+        for request in dict.fromkeys(seq.request for seq in released):
+            done = request.is_finished or request.aborted and all(s.is_finished for s in request.sequences)
+            if done and self.requests.get(request.request_id) is request:
+                del self.requests[request.request_id]
 
     def step(self, emit: Callable[[list[SequenceOutput]], None]) -> WindowTimings | None:
         """Plans and runs one window; `emit` receives each step's outputs as the step completes."""
@@ -165,14 +170,14 @@ class EngineCore:
         finally:
             self._in_flight = None
         update_start = time.perf_counter()
-        # A row that finished before the window's last step kept computing: those tokens were wasted.
         executed = timings.num_steps
-        for i, row in enumerate(sampling):
-            if row.seq.is_finished:
-                self.stats.num_wasted_tokens += max(executed - accepted[i], 0)
-        sampled = {id(row): accepted[i] for i, row in enumerate(sampling)}
+        accepted_by_row = iter(accepted)  # sampling rows are the plan's rows that sample, in order
         for row in plan.rows:
-            self.scheduler.complete_row(row, sampled.get(id(row), 0))
+            num_sampled = next(accepted_by_row) if row.samples else 0
+            if row.samples and row.seq.is_finished:
+                # It finished before the window's last step but kept computing: those tokens were wasted.
+                self.stats.num_wasted_tokens += max(executed - num_sampled, 0)
+            self.scheduler.complete_row(row, num_sampled)
         self._release_finished()
         self._busy = self.scheduler.has_work()  # the next window follows at once: its wait is a gap
         stats = self.stats

@@ -21,7 +21,7 @@ AUTO_MAX_STEPS = 32
 AUTO_START_STEPS = 4
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed in the window's first step
@@ -112,7 +112,7 @@ class Scheduler:
         num_new = min(todo, budget)
         if num_new <= 0:
             return None
-        samples = num_new == todo and not seq.request.needs_fork
+        samples = num_new == todo and seq.request.forked
         max_steps = max(1, min(num_steps, seq.remaining_tokens)) if samples else 0
         return ScheduledSeq(seq, num_new, samples, max_steps, seq.num_computed)
 
@@ -150,12 +150,14 @@ class Scheduler:
                 index += 1
                 continue
             need = self._slots_needed(row)
-            while not self.blocks.can_reserve(seq, need) and self.running[-1] is not seq:
+            reserved = self.blocks.try_reserve(seq, need)
+            while reserved is None and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
-            if not self.blocks.can_reserve(seq, need):
+                reserved = self.blocks.try_reserve(seq, need)
+            if reserved is None:
                 self._preempt(seq)
                 continue
-            copies += self.blocks.reserve(seq, need)
+            copies += reserved
             rows.append(row)
             budget -= row.num_new_tokens
             index += 1
@@ -170,10 +172,11 @@ class Scheduler:
                 if seq.index == 0 and seq.num_preemptions == 0:
                     seq.request.num_cached_tokens = seq.num_computed
             row = self._plan_row(seq, budget, num_steps)
-            if row is None or not self.blocks.can_reserve(seq, self._slots_needed(row)):
+            reserved = self.blocks.try_reserve(seq, self._slots_needed(row)) if row is not None else None
+            if reserved is None:
                 break
             self.waiting.popleft()
-            copies += self.blocks.reserve(seq, self._slots_needed(row))
+            copies += reserved
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             rows.append(row)

@@ -20,8 +20,12 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+# A module constant: looking enum members up on their class costs ~0.1 us each (Python 3.11), and this
+# is asked for every row of every window.
+_FINISHED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
 
 
 _seq_ids = itertools.count()
@@ -71,18 +75,20 @@ class Sequence:
         A request with n > 1 prefills its prompt once, minus the last token, then forks: each child
         computes that last token itself and samples from its own logits.
         """
-        if self.request.needs_fork:
+        if not self.request.forked:
             return self.prompt_len - 1
-        return self.num_tokens
+        return len(self.token_ids)
 
     @property
     def remaining_tokens(self) -> int:
         """Tokens still allowed by max_tokens / max_model_len."""
-        request = self.request
-        by_model_len = request.max_model_len - self.num_tokens
-        if request.params.max_tokens is None:
+        # Read once per running sequence and window: plain attribute reads, no nested properties.
+        request, num_tokens = self.request, len(self.token_ids)
+        by_model_len = request.max_model_len - num_tokens
+        max_tokens = request.params.max_tokens
+        if max_tokens is None:
             return by_model_len
-        return min(request.params.max_tokens - self.num_output_tokens, by_model_len)
+        return min(max_tokens - (num_tokens - len(request.prompt_token_ids)), by_model_len)
 
 
 @dataclass(eq=False)
