@@ -92,8 +92,63 @@ def run_workload(llm: LLM, prompts, params, label: str) -> dict:
         "step_ms": 1e3 * busy / max(stats.num_steps, 1),
         # the step timer never waits on the device in steady state; the pinned output ring stops growing
         "forced_syncs": llm.engine.runner.clock.num_forced_syncs,
-        "host_ring_slots": llm.engine.runner.host_ring.num_slots,
+        "host_ring_slots": llm.engine.runner.host_ring.num_slots if llm.engine.runner.host_ring else 0,
+        "breakdown": breakdown(stats, run.elapsed_s),
     }
+
+
+def breakdown(stats, elapsed_s: float) -> dict:
+    """Where the wall time went: device time of windows' first steps (which carry the prefill chunks)
+    and of their decode steps 2..N, host time, and the decode step time by batch size."""
+    decode_s = sum(stats.decode_step_s)
+    by_batch = {}
+    for low, high in ((1, 16), (17, 64), (65, 160), (161, 512)):
+        times = [t for t, b in zip(stats.decode_step_s, stats.decode_step_batch) if low <= b <= high]
+        if times:
+            by_batch[f"{low}-{high}"] = {"steps": len(times), "median_ms": 1e3 * statistics.median(times),
+                                         "total_s": sum(times)}
+    return {"first_step_device_s": stats.forward_s - decode_s, "decode_device_s": decode_s,
+            "host_s": elapsed_s - stats.forward_s, "prompt_tokens_computed": stats.num_prompt_tokens_computed,
+            "wasted_tokens": stats.num_wasted_tokens, "schedule_s": stats.schedule_s,
+            "prepare_s": stats.prepare_s, "update_s": stats.update_s, "output_s": stats.output_s,
+            "decode_step_by_batch": by_batch}
+
+
+def kernel_profile(base: LLM, args) -> dict:
+    """torch.profiler over one pure-decode window (graph replays, and eager) at a few batch sizes:
+    the kernels that take the device time, written to $OUT/profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    report, lines = {}, []
+    vocab = base.engine.model_config.vocab_size
+    for batch in (4, 256):
+        for eager in (False, True):
+            llm = LLM(args.model, share_model_with=base, num_scheduler_steps=8, max_num_seqs=batch,
+                      max_model_len=args.max_model_len, max_num_batched_tokens=16384, enforce_eager=eager)
+            engine = llm.engine
+            for i in range(batch):
+                engine.add_request([(97 * i + k) % (vocab - 1) + 1 for k in range(args.roofline_context)],
+                                   SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            engine.step()  # prefill + 7 decode steps
+            engine.step()  # graphs captured, caches warm
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                torch.cuda.synchronize()
+            while engine.has_unfinished_requests():
+                engine.step()
+            events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+            total_us = sum(e.self_device_time_total for e in events)
+            top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+            key = f"batch {batch} {'eager' if eager else 'graphs'}"
+            report[key] = {"device_ms_per_step": total_us / 8 / 1e3,
+                           "top": [(e.key[:90], round(e.self_device_time_total / 8), e.count // 8) for e in top]}
+            lines.append(f"== {key}: {total_us / 8 / 1e3:.3f} ms device time per step (8-step window)")
+            lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=80))
+            log(f"profile {key}: {total_us / 8 / 1e3:.3f} ms/step; top: {report[key]['top'][:4]}")
+    with open(os.path.join(OUT, "profile.txt"), "w") as f:
+        f.write("\n".join(lines))
+    return report
 
 
 def greedy_match(base: LLM, args) -> dict:
@@ -163,18 +218,21 @@ def peer(args, prompts, lengths) -> dict:
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
     ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
-    out_tokens = 0
+    out_tokens = done = 0
+    deadline = t0 + args.peer_timeout  # the whole peer run; past it, report what finished
     for _ in ids:
-        result = manager.get_result(timeout=args.peer_timeout)
+        result = manager.get_result(timeout=max(deadline - time.perf_counter(), 0.1))
         if result is None:
             break
+        done += 1
         out_tokens += len(result.generated_tokens)
     elapsed = time.perf_counter() - t0
-    manager.stop(block=True)
+    manager.stop(block=done == len(ids))  # a stuck peer is left behind, not waited for
     del model
     torch.cuda.empty_cache()
-    return {"requests": len(ids), "elapsed_s": elapsed, "req_per_s": len(ids) / elapsed,
-            "output_tok_per_s": out_tokens / elapsed, "output_tokens": out_tokens}
+    return {"requests": len(ids), "finished": done, "elapsed_s": elapsed, "req_per_s": done / elapsed,
+            "output_tok_per_s": out_tokens / elapsed, "output_tokens": out_tokens,
+            "partial": done < len(ids)}
 
 
 def roofline(base: LLM, args, bandwidth: float) -> list[dict]:
@@ -210,7 +268,9 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--roofline-context", type=int, default=512)
     parser.add_argument("--peer-timeout", type=float, default=600)
-    parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--skip", nargs="*", default=[], help="any of: peer match runs roofline profile")
+    parser.add_argument("--extra-batched-tokens", type=int, nargs="*", default=[],
+                        help="also run N=8 with these max_num_batched_tokens (admission per window)")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     RESULTS["device"] = torch.cuda.get_device_name()
@@ -229,6 +289,11 @@ def main() -> int:
     bandwidth = copy_bandwidth()
     RESULTS["copy_bandwidth_TBps"] = bandwidth / 1e12
     log(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    if {"match", "runs", "roofline", "profile"} <= set(args.skip):  # the peer alone (e.g. on another GPU)
+        json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
+        print_table()
+        sys.stdout.flush()
+        os._exit(0)  # a peer cut off at its deadline may leave its generation thread running
     base = LLM(args.model, num_scheduler_steps=1, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens)
     RESULTS["backend"] = base.engine.runner.backend.name
@@ -237,26 +302,34 @@ def main() -> int:
         RESULTS["greedy_match_triton_vs_torch"] = greedy_match(base, args)
         log(f"greedy match: {RESULTS['greedy_match_triton_vs_torch']}")
     RESULTS["runs"] = {}
-    for n in args.steps:
+    variants = [] if "runs" in args.skip else \
+        [(f"N={n}", n, args.max_num_batched_tokens) for n in args.steps] + \
+        [(f"N=8 mbt={m}", 8, m) for m in args.extra_batched_tokens]
+    for name, n, batched in variants:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=n, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched)
         if llm.engine.runner.graphs is not None:
             llm.engine.runner.graphs.warmup(args.max_num_seqs)
-        log(f"sharegpt-synth N={n}")
+        log(f"sharegpt-synth {name}")
         try:
-            RESULTS["runs"][f"N={n}"] = run_workload(llm, prompts, params, f"N={n}")
+            RESULTS["runs"][name] = run_workload(llm, prompts, params, name)
         except Exception:
-            RESULTS.setdefault("errors", {})[f"N={n}"] = traceback.format_exc()[-3000:]
-            log(RESULTS["errors"][f"N={n}"])
+            RESULTS.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+            log(RESULTS["errors"][name])
             continue
-        log(json.dumps(RESULTS["runs"][f"N={n}"]))
+        log(json.dumps(RESULTS["runs"][name]))
         json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
-    if "roofline" not in args.skip:
+    for part, function in (("roofline", lambda: roofline(base, args, bandwidth)),
+                           ("profile", lambda: kernel_profile(base, args))):
+        if part in args.skip:
+            continue
         try:
-            RESULTS["roofline"] = roofline(base, args, bandwidth)
+            RESULTS[part] = function()
         except Exception:
-            RESULTS.setdefault("errors", {})["roofline"] = traceback.format_exc()[-3000:]
-    if args.peer_prompts:
+            RESULTS.setdefault("errors", {})[part] = traceback.format_exc()[-3000:]
+            log(RESULTS["errors"][part])
+        json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
+    if args.peer_prompts and "runs" not in args.skip:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=8, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         RESULTS["runs"][f"N=8 first {args.peer_prompts}"] = run_workload(
@@ -276,13 +349,23 @@ def print_table() -> None:
         f = lambda d: f"{d['mean']:.0f}/{d['median']:.0f}/{d['p99']:.0f}"
         g = lambda d: f"{d['mean']:.1f}/{d['median']:.1f}/{d['p99']:.1f}"
         print(f"{name:<10}{r['req_per_s']:>8.2f}{r['output_tok_per_s']:>10.0f}{r['total_tok_per_s']:>10.0f}"
-              f"{f(r['ttft_ms']):>24}{g(r['tpot_ms']):>22}{g(r['itl_ms']):>22}{r['mean_gap_us']:>8.1f}"
+              f"{f(r['ttft_ms']):>24}{g(r['tpot_ms']):>22}{g(r['itl_ms']):>22}{r['mean_gap_us']:>8.1f}{r['mean_boundary_gap_us']:>8.0f}"
               f"{r['idle_fraction']:>7.1%}")
+        b = r.get("breakdown")
+        if b:
+            batches = ", ".join(f"{k}: {v['steps']} steps x {v['median_ms']:.2f} ms"
+                                for k, v in b["decode_step_by_batch"].items())
+            print(f"{'':<10}device: first steps {b['first_step_device_s']:.1f} s, decode steps "
+                  f"{b['decode_device_s']:.1f} s; host {b['host_s']:.1f} s; windows {r['windows']}, steps "
+                  f"{r['steps']}, mean batch {r['mean_batch']:.0f}; decode step by batch: {batches}")
     if "peer" in RESULTS:
         print("peer:", json.dumps(RESULTS["peer"])[:400])
     for row in RESULTS.get("roofline", []):
         print(f"roofline batch {row['batch']:>4}: step {row['step_ms']:.2f} ms vs ideal {row['roofline_ms']:.2f} ms "
               f"({row['ratio']:.2f}x)")
+    for name, p in RESULTS.get("profile", {}).items():
+        print(f"profile {name}: {p['device_ms_per_step']:.3f} ms/step; " +
+              "; ".join(f"{k[:40]} {us} us x{c}" for k, us, c in p["top"][:6]))
     if "greedy_match_triton_vs_torch" in RESULTS:
         print("greedy match:", RESULTS["greedy_match_triton_vs_torch"])
     for name, error in RESULTS.get("errors", {}).items():

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU runs of one device session, on a two-GPU H200 host, in two calls of under ten minutes:
+#
+#   bash benchmarks/h200_session.sh single     # GPU 0: benchmarks/gpu_run.py (N=8/1/auto, roofline,
+#                                              #   kernel profile, Triton vs torch tokens);
+#                                              # GPU 1 meanwhile: the transformers peer, the kernel and
+#                                              #   step-timer tests, the timer-cost benchmark
+#   bash benchmarks/h200_session.sh parallel   # both GPUs: TP=1/TP=2/PP=2 at N=8 and 1 (NCCL)
+#
+# Logs and JSON go to $OUT (at most 8 files come back from the device tool).
+set -u
+OUT=${OUT:-.bench}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:$PWD/engine:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+PROMPTS=${PROMPTS:-1000}
+
+case "${1:-}" in
+single)
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        OUT=$OUT/peer timeout 330 python benchmarks/gpu_run.py --num-prompts "$PROMPTS" --peer-prompts 200 \
+            --peer-timeout 280 --skip match runs roofline profile
+        echo "== peer exit $?"
+        timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_step_timer.py
+        echo "== tests exit $?"
+        timeout 90 python benchmarks/gap_timer_cost.py --model random:llama-3-8b --steps 1 8
+        echo "== gap_timer_cost exit $?"
+    ) >"$OUT/gpu1.log" 2>&1 &
+    side=$!
+    CUDA_VISIBLE_DEVICES=0 timeout 540 python benchmarks/gpu_run.py --num-prompts "$PROMPTS" --steps 8 1 auto \
+        --peer-prompts 200 --skip peer --extra-batched-tokens 16384 2>"$OUT/gpu0.log"
+    echo "== gpu_run exit $?"
+    wait $side
+    tail -n 40 "$OUT/gpu1.log"
+    ;;
+parallel)
+    timeout 560 python benchmarks/gpu_parallel_run.py --layouts 1x1 2x1 1x2 --steps 8 1 \
+        --num-prompts "${PAR_PROMPTS:-300}" --timeout 170 2>"$OUT/parallel.log"
+    echo "== gpu_parallel_run exit $?"
+    grep -E "Error|error|Traceback" "$OUT/parallel.log" | head -20
+    ;;
+*)
+    echo "usage: $0 single|parallel" >&2
+    exit 2
+    ;;
+esac
