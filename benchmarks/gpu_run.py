@@ -114,34 +114,41 @@ def breakdown(stats, elapsed_s: float) -> dict:
             "decode_step_by_batch": by_batch}
 
 
+def decode_batch(base: LLM, args, batch: int, steps: int, eager: bool = False) -> LLM:
+    """An engine whose `batch` rows have all finished their prompts (`roofline_context` tokens each) and
+    are decoding, so its next windows time pure decode steps with every row present."""
+    llm = LLM(args.model, share_model_with=base, num_scheduler_steps=steps, max_num_seqs=batch,
+              max_model_len=args.max_model_len, max_num_batched_tokens=16384, enforce_eager=eager)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        engine.add_request([(97 * i + k) % (vocab - 1) + 1 for k in range(args.roofline_context)],
+                           SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True))
+    while engine.core.scheduler.waiting:
+        engine.step()
+    engine.step()  # the last prompts' prefill ends; this bucket's graph is captured
+    return llm
+
+
 def kernel_profile(base: LLM, args) -> dict:
     """torch.profiler over one pure-decode window (graph replays, and eager) at a few batch sizes:
     the kernels that take the device time, written to $OUT/profile.txt."""
     from torch.profiler import ProfilerActivity, profile
 
     report, lines = {}, []
-    vocab = base.engine.model_config.vocab_size
     for batch in (4, 256):
         for eager in (False, True):
-            llm = LLM(args.model, share_model_with=base, num_scheduler_steps=8, max_num_seqs=batch,
-                      max_model_len=args.max_model_len, max_num_batched_tokens=16384, enforce_eager=eager)
-            engine = llm.engine
-            for i in range(batch):
-                engine.add_request([(97 * i + k) % (vocab - 1) + 1 for k in range(args.roofline_context)],
-                                   SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-            engine.step()  # prefill + 7 decode steps
-            engine.step()  # graphs captured, caches warm
+            engine = decode_batch(base, args, batch, 8, eager).engine
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 engine.step()
                 torch.cuda.synchronize()
-            while engine.has_unfinished_requests():
-                engine.step()
-            events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+            # device kernels only (CPU-side aten ops report their kernels' time too)
+            events = [e for e in prof.key_averages() if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
             total_us = sum(e.self_device_time_total for e in events)
             top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
             key = f"batch {batch} {'eager' if eager else 'graphs'}"
-            report[key] = {"device_ms_per_step": total_us / 8 / 1e3,
+            report[key] = {"device_ms_per_step": total_us / 8 / 1e3, "kernels_per_step": sum(e.count for e in events) / 8,
                            "top": [(e.key[:90], round(e.self_device_time_total / 8), e.count // 8) for e in top]}
             lines.append(f"== {key}: {total_us / 8 / 1e3:.3f} ms device time per step (8-step window)")
             lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=80))
@@ -149,6 +156,31 @@ def kernel_profile(base: LLM, args) -> dict:
     with open(os.path.join(OUT, "profile.txt"), "w") as f:
         f.write("\n".join(lines))
     return report
+
+
+def roofline(base: LLM, args, bandwidth: float) -> list[dict]:
+    """Decode step time with every row present vs (weight bytes + KV bytes read) / copy bandwidth."""
+    mc = base.engine.model_config
+    weight_bytes = mc.num_parameters * 2
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
+    rows = []
+    for batch in (1, 32, 128, 256):
+        llm = decode_batch(base, args, batch, 16)
+        engine = llm.engine
+        stats, running = engine.core.stats, engine.core.scheduler.running
+        first = len(stats.decode_step_s)
+        lengths = []
+        for _ in range(3):  # timings arrive as the device finishes them: the third window harvests the second
+            lengths.append(statistics.fmean(len(seq.token_ids) for seq in running) + 8)
+            engine.step()
+        times = sorted(t for t, b in zip(stats.decode_step_s[first:], stats.decode_step_batch[first:]) if b == batch)
+        step_s = times[len(times) // 2]
+        kv_bytes = batch * statistics.fmean(lengths) * kv_per_token
+        ideal = (weight_bytes + kv_bytes) / bandwidth
+        rows.append({"batch": batch, "context": statistics.fmean(lengths), "steps_timed": len(times),
+                     "step_ms": step_s * 1e3, "roofline_ms": ideal * 1e3, "ratio": step_s / ideal})
+        log(f"roofline {rows[-1]}")
+    return rows
 
 
 def greedy_match(base: LLM, args) -> dict:
@@ -233,28 +265,6 @@ def peer(args, prompts, lengths) -> dict:
     return {"requests": len(ids), "finished": done, "elapsed_s": elapsed, "req_per_s": done / elapsed,
             "output_tok_per_s": out_tokens / elapsed, "output_tokens": out_tokens,
             "partial": done < len(ids)}
-
-
-def roofline(base: LLM, args, bandwidth: float) -> list[dict]:
-    mc = base.engine.model_config
-    weight_bytes = mc.num_parameters * 2
-    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
-    rows = []
-    for batch in (1, 32, 128, 256):
-        llm = LLM(args.model, share_model_with=base, num_scheduler_steps=16, max_num_seqs=batch,
-                  max_model_len=args.max_model_len, max_num_batched_tokens=16384)
-        prompts = [[(101 * i + k) % 30000 + 1000 for k in range(args.roofline_context)] for i in range(batch)]
-        llm.generate([{"prompt_token_ids": p} for p in prompts],
-                     SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True))
-        # decode steps with every row present (each window's first step may carry prefill)
-        stats = llm.engine.core.stats
-        times = sorted(t for t, b in zip(stats.decode_step_s, stats.decode_step_batch) if b == batch)
-        step_s = times[len(times) // 2]
-        kv_bytes = batch * (args.roofline_context + 16) * kv_per_token
-        ideal = (weight_bytes + kv_bytes) / bandwidth
-        rows.append({"batch": batch, "step_ms": step_s * 1e3, "roofline_ms": ideal * 1e3,
-                     "ratio": step_s / ideal})
-    return rows
 
 
 def main() -> int:
