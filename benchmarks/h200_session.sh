@@ -28,7 +28,7 @@ single)
     ) >"$OUT/gpu1.log" 2>&1 &
     side=$!
     CUDA_VISIBLE_DEVICES=0 timeout 540 python benchmarks/gpu_run.py --num-prompts "$PROMPTS" --steps 8 1 auto \
-        --peer-prompts 200 --skip peer --extra-batched-tokens 16384 2>"$OUT/gpu0.log"
+        --peer-prompts 200 --skip peer --extra-runs mbt=16384 2>"$OUT/gpu0.log"
     echo "== gpu_run exit $?"
     wait $side
     tail -n 40 "$OUT/gpu1.log"
