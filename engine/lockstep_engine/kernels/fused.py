@@ -11,6 +11,10 @@ RMSNorm sum (fp32 results match up to that and fp32 rounding of exp/rsqrt):
 * `rotary`: `q * cos + rotate_half(q) * sin` with cos and sin rounded to the dtype, each product
   rounded, then the sum rounded (same for k).
 
+Every launch passes enable_fp_fusion=False: with it Triton contracts a product and the following add
+into one FMA even across a `.to(bf16)` rounding in between, which is not what torch computes (rotary
+then differs in about one element in five by an ulp). The kernels are memory-bound; FMA saves nothing.
+
 Outputs are new tensors; inputs are never written, so callers need not care who else holds them.
 Nothing syncs with the host and the only allocations are the outputs (sized from host shapes), so
 the kernels can be captured in a CUDA graph. Per-call sizes (token counts) are not specialized on.
@@ -68,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(tokens,)](
             x, source, weight, out, target, hidden, eps,
             x.stride(0), source.stride(0), out.stride(0), target.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block), enable_fp_fusion=False)
     return out if residual is None else (out, h)
 
 
@@ -98,7 +102,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if tokens:
         block = min(triton.next_power_of_2(intermediate), 1024)
         grid = (tokens, triton.cdiv(intermediate, block))
-        _silu_and_mul_kernel[grid](x, out, intermediate, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](x, out, intermediate, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+                                   enable_fp_fusion=False)
     return out
 
 
@@ -166,7 +171,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
             HALF=half, HALF_PAD=triton.next_power_of_2(half), Q_HEADS_PAD=triton.next_power_of_2(num_heads),
-            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), num_warps=4)
+            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), num_warps=4, enable_fp_fusion=False)
     return q_out, k_out
 
 
