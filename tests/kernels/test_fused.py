@@ -226,3 +226,24 @@ def test_cuda_graph_replays_on_new_inputs():
         torch.cuda.synchronize()
         for got, expected in zip(outputs, step()):
             assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model with the kernels wired in (on the CPU forced on: the interpreter runs them there)
+# ---------------------------------------------------------------------------------------------
+
+def test_model_greedy_tokens_match_the_torch_path(monkeypatch):
+    """The decoder layer's fused residual-add layout and the three kernels give random:tiny's torch-path tokens."""
+    from lockstep_engine import layers
+    from lockstep_engine.llm import LLM
+    from lockstep_engine.sampling_params import SamplingParams
+
+    # eager: a CUDA graph captured at load would replay one path for both runs
+    llm = LLM("random:tiny", device=DEVICE.type, dtype="float32", enforce_eager=True, num_scheduler_steps=1,
+              num_gpu_blocks_override=64, max_num_seqs=4)
+    prompts = [[1, 5, 9, 200, 31], [7, 7, 7], [100, 3, 44, 12, 9, 18, 2]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    monkeypatch.setattr(layers, "_fused_for", lambda x: None)
+    expected = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    monkeypatch.setattr(layers, "_fused_for", lambda x: fused)
+    assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected
