@@ -2,11 +2,17 @@
 
 Linear and embedding layers hold their rank's shard and load it from the full checkpoint tensor
 (`weight_loader`), so the model file stays pure architecture and works for any TP size.
+
+On CUDA, RMSNorm (with the residual add), SiLU-and-mul and rotary run as fused Triton kernels
+(`kernels/fused.py`) unless LOCKSTEP_FUSED_KERNELS=0 or Triton cannot be imported; on the CPU the
+torch ops below always run, in Hugging Face's order, so fp32 results match it bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -134,13 +140,44 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[..., :self.vocab_size]
 
 
+FUSED_KERNELS_ENV = "LOCKSTEP_FUSED_KERNELS"  # "0": the torch ops on CUDA too (read once per process)
+
+
+@functools.cache
+def _fused_kernels():
+    """lockstep_engine.kernels.fused, or None when switched off by the environment or Triton is missing."""
+    if os.environ.get(FUSED_KERNELS_ENV) == "0":
+        return None
+    try:
+        from lockstep_engine.kernels import fused
+    except ImportError:
+        return None
+    return fused
+
+
+def _fused_for(x: torch.Tensor):
+    return _fused_kernels() if x.is_cuda else None
+
+
 class RMSNorm(nn.Module):
+    """norm(x), or with a residual (vLLM's fused add): h = x + residual, returning (norm(h), h)."""
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # x, residual: [tokens, hidden]
+        fused = _fused_for(x)
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        h = x + residual
+        return self._norm(h), h
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as Hugging Face's LlamaRMSNorm, so fp32 results match bit for bit.
         dtype = x.dtype
         x = x.float()
@@ -167,9 +204,21 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]
+        fused = _fused_for(q)
+        if fused is not None:
+            return fused.rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, 2 * I], gate then up (gate_up_proj's output) -> silu(gate) * up: [tokens, I]."""
+    fused = _fused_for(x)
+    if fused is not None:
+        return fused.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

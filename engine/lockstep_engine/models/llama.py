@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lockstep_engine.attention import AttentionMetadata
 from lockstep_engine.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                     QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                    VocabParallelEmbedding)
+                                    VocabParallelEmbedding, silu_and_mul)
 from lockstep_engine.model_config import ModelConfig
 from lockstep_engine.parallel import ParallelState
 
@@ -53,8 +52,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -65,9 +63,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's layout: the residual stream travels beside `hidden` (the last sublayer's output) and
+        each norm adds the two, so the add runs inside the fused norm. The first layer gets residual None."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -87,9 +93,13 @@ class LlamaModel(nn.Module):
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first_stage:
             hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers.values():
-            hidden = layer(positions, hidden, meta)
-        return self.norm(hidden) if self.norm is not None else hidden
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if self.norm is not None:
+            return self.norm(hidden, residual)[0]
+        # the next pipeline stage receives one tensor: the full hidden state
+        return hidden + residual
 
 
 class LlamaForCausalLM(nn.Module):
