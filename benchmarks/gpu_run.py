@@ -217,16 +217,18 @@ def greedy_match(base: LLM, args) -> dict:
     prompts = [[(7919 * i + 31 * k) % (vocab - 1000) + 1000 for k in range(16 + 5 * i)] for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
     results = {}
-    for backend, steps in (("torch", 8), ("triton", 8), ("triton", 1)):
+    for name, backend, steps, fused in (("torch", "torch", 8, True), ("triton", "triton", 8, True),
+                                        ("triton_n1", "triton", 1, True), ("triton_unfused", "triton", 8, False)):
         try:
+            set_fused_kernels(fused)
             llm = LLM(args.model, share_model_with=base, attention_backend=backend, num_scheduler_steps=steps,
                       max_model_len=args.max_model_len)
-            if backend == "triton" and steps == 1:
-                backend = "triton_n1"
-            results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        except Exception as error:  # the report says which backend failed and why
-            results[backend] = repr(error)
-            log(f"backend {backend} failed: {traceback.format_exc()}")
+            results[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        except Exception as error:  # the report says which variant failed and why
+            results[name] = repr(error)
+            log(f"{name} failed: {traceback.format_exc()}")
+        finally:
+            set_fused_kernels(True)
     if any(isinstance(v, str) for v in results.values()):
         return {"error": {k: v for k, v in results.items() if isinstance(v, str)}}
     same = total = 0
@@ -250,8 +252,30 @@ def greedy_match(base: LLM, args) -> dict:
         if k is not None:
             top = a.outputs[0].logprobs[k].top
             n_gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
+    fused_same, fused_gaps = 0, []
+    for a, b in zip(results["triton_unfused"], results["triton"]):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        if ta == tb:
+            fused_same += 1
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+        top = a.outputs[0].logprobs[k].top
+        fused_gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
     return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap,
-            "triton_n1_vs_n8_identical": n_same, "n1_vs_n8_first_divergence_top2_gaps": n_gaps[:16]}
+            "triton_n1_vs_n8_identical": n_same, "n1_vs_n8_first_divergence_top2_gaps": n_gaps[:16],
+            "fused_vs_unfused_identical": fused_same, "fused_vs_unfused_first_divergence_top2_gaps": fused_gaps[:16]}
+
+
+def set_fused_kernels(on: bool) -> None:
+    """Fused Triton RMSNorm/rotary/SiLU-mul on or off for the forwards that follow (layers reads the
+    switch once and caches it; clearing the cache makes it read the switch again)."""
+    from lockstep_engine import layers
+
+    if on:
+        os.environ.pop(layers.FUSED_KERNELS_ENV, None)
+    else:
+        os.environ[layers.FUSED_KERNELS_ENV] = "0"
+    layers._fused_kernels.cache_clear()
 
 
 def peer(args, prompts, lengths) -> dict:
