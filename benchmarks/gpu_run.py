@@ -186,13 +186,13 @@ def kernel_profile(base: LLM, args) -> dict:
     return report
 
 
-def roofline(base: LLM, args, bandwidth: float) -> list[dict]:
+def roofline(base: LLM, args, bandwidth: float, batches=(1, 32, 128, 256)) -> list[dict]:
     """Decode step time with every row present vs (weight bytes + KV bytes read) / copy bandwidth."""
     mc = base.engine.model_config
     weight_bytes = mc.num_parameters * 2
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
     rows = []
-    for batch in (1, 32, 128, 256):
+    for batch in batches:
         llm = decode_batch(base, args, batch, 16)
         engine = llm.engine
         stats, running = engine.core.stats, engine.core.scheduler.running

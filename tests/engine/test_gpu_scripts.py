@@ -1,0 +1,87 @@
+"""The GPU benchmark scripts' logic, run on the CPU so that a device call is not spent finding their bugs.
+
+benchmarks/gpu_run.py and benchmarks/gpu_parallel_run.py run on an H200 a few times a session; here
+their workload accounting, the roofline driver, `--extra-runs` parsing and the TP/PP layout runner
+run on `random:tiny` (CUDA synchronisation is a no-op on the CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from lockstep.bench.workload import make_workload
+from lockstep_engine.entrypoints.bench_offline import greedy_requests
+from lockstep_engine.llm import LLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+
+@pytest.fixture
+def gpu_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    spec = importlib.util.spec_from_file_location("gpu_run_under_test", os.path.join(BENCHMARKS, "gpu_run.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_workload_breakdown_accounts_for_the_wall_time(gpu_run, tiny):
+    llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=8, max_num_seqs=64)
+    prompts, params = greedy_requests(make_workload("sharegpt-synth", 6, seed=0, vocab_size=1024))
+    result = gpu_run.run_workload(llm, prompts, params, "test")
+    stats, b = llm.engine.core.stats, result["breakdown"]
+    assert result["requests"] == 6 and not llm.engine.has_unfinished_requests()
+    assert b["first_step_device_s"] + b["decode_device_s"] == pytest.approx(stats.forward_s)
+    assert b["host_s"] == pytest.approx(result["elapsed_s"] - stats.forward_s)
+    assert b["decode_device_s"] > 0 and b["first_step_device_s"] > 0
+    assert sum(bucket["steps"] for bucket in b["decode_step_by_batch"].values()) == len(stats.decode_step_s)
+    assert b["prompt_tokens_computed"] >= sum(map(len, prompts))
+    assert result["forced_syncs"] == 0 and result["steps"] == stats.num_steps
+
+
+def test_roofline_times_decode_steps_with_every_row_present(gpu_run, tiny):
+    args = types.SimpleNamespace(model="random:tiny", max_model_len=2048, roofline_context=32)
+    rows = gpu_run.roofline(tiny, args, bandwidth=1e11, batches=(1, 8))
+    assert [row["batch"] for row in rows] == [1, 8]
+    for row in rows:
+        # three 16-step windows after admission: each has 15 decode steps, harvested by the next
+        assert row["steps_timed"] >= 15
+        assert row["context"] > args.roofline_context
+        assert row["step_ms"] > 0 and row["ratio"] == pytest.approx(row["step_ms"] / row["roofline_ms"])
+
+
+def test_extra_runs_override_n_admission_and_seats(gpu_run):
+    args = types.SimpleNamespace(max_num_batched_tokens=4096, max_num_seqs=256)
+    assert gpu_run.extra_run("seqs=512,mbt=16384", args) == ("N=8 mbt=16384 seqs=512", 8, 16384, 512)
+    assert gpu_run.extra_run("n=auto", args) == ("N=auto mbt=4096 seqs=256", "auto", 4096, 256)
+    with pytest.raises(SystemExit, match="'steps=4' is invalid: expected n=, mbt= or seqs="):
+        gpu_run.extra_run("steps=4", args)
+
+
+def test_parallel_runner_compares_layouts_in_separate_processes(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), LOCKSTEP_CPU_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "engine"), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, os.path.join(BENCHMARKS, "gpu_parallel_run.py"), "--model", "random:tiny",
+               "--layouts", "1x1", "2x1", "--steps", "8", "--num-prompts", "4", "--max-num-seqs", "16",
+               "--timeout", "240"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.load(open(tmp_path / "parallel.json"))
+    assert summary["errors"] == {}
+    assert set(summary["results"]) == {"TP=1 PP=1 N=8", "TP=2 PP=1 N=8"}
+    for result in summary["results"].values():
+        assert result["run"]["requests"] == 4 and result["run"]["req_per_s"] > 0
+    # fp32 on the CPU: TP=2 gives the single process's greedy tokens exactly
+    assert summary["greedy_vs_tp1"]["TP=2 PP=1 N=8"]["identical"] == 64
+    assert "TP=2 PP=1 N=8" in done.stdout
