@@ -6,9 +6,6 @@
 #                                              # GPU 1 meanwhile: the transformers peer, the kernel and
 #                                              #   step-timer tests, the timer-cost benchmark
 #   bash benchmarks/h200_session.sh parallel   # both GPUs: TP=1/TP=2/PP=2 at N=8 and 1 (NCCL)
-#   bash benchmarks/h200_session.sh final      # one call: kernel tests and the fused-kernel benchmark
-#                                              #   on GPU 1 while gpu_run (max_num_batched_tokens
-#                                              #   16384) runs on GPU 0, then PP=2 at N=8 and 1
 #
 # Logs and JSON go to $OUT (at most 8 files come back from the device tool).
 set -u
@@ -42,26 +39,8 @@ parallel)
     echo "== gpu_parallel_run exit $?"
     grep -E "Error|error|Traceback" "$OUT/parallel.log" | head -20
     ;;
-final)
-    (
-        export CUDA_VISIBLE_DEVICES=1
-        timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels
-        echo "== kernel tests exit $?"
-        timeout 60 python tests/kernels/bench_fused.py
-        echo "== bench_fused exit $?"
-    ) >"$OUT/gpu1.log" 2>&1 &
-    side=$!
-    CUDA_VISIBLE_DEVICES=0 timeout 370 python benchmarks/gpu_run.py --num-prompts "$PROMPTS" --steps 8 1 auto \
-        --max-num-batched-tokens 16384 --peer-prompts 200 --skip peer --extra-runs seqs=512 2>"$OUT/gpu0.log"
-    echo "== gpu_run exit $?"
-    wait $side
-    tail -n 30 "$OUT/gpu1.log"
-    timeout 200 python benchmarks/gpu_parallel_run.py --layouts 1x2 --steps 8 1 --num-prompts 300 \
-        --timeout 98 2>"$OUT/parallel.log"
-    echo "== gpu_parallel_run exit $?"
-    ;;
 *)
-    echo "usage: $0 single|parallel|final" >&2
+    echo "usage: $0 single|parallel" >&2
     exit 2
     ;;
 esac
