@@ -319,17 +319,20 @@ def peer(args, prompts, lengths) -> dict:
             "partial": done < len(ids)}
 
 
-def extra_run(spec: str, args) -> tuple[str, int | str, int, int]:
-    """(name, N, max_num_batched_tokens, max_num_seqs) of an --extra-runs entry such as 'n=8,seqs=512'."""
-    values = {"n": "8", "mbt": str(args.max_num_batched_tokens), "seqs": str(args.max_num_seqs)}
+def extra_run(spec: str, args) -> tuple[str, int | str, int, int, str]:
+    """(name, N, max_num_batched_tokens, max_num_seqs, scheduling_policy) of an --extra-runs entry such
+    as 'n=8,seqs=512,policy=lof'."""
+    values = {"n": "8", "mbt": str(args.max_num_batched_tokens), "seqs": str(args.max_num_seqs),
+              "policy": args.scheduling_policy}
     for item in spec.split(","):
         key, _, value = item.partition("=")
         if key not in values or not value:
-            raise SystemExit(f"--extra-runs: {item!r} is invalid: expected n=, mbt= or seqs= with a value")
+            raise SystemExit(f"--extra-runs: {item!r} is invalid: expected n=, mbt=, seqs= or policy= with a value")
         values[key] = value
     n = num_scheduler_steps_arg(values["n"])
-    name = f"N={n} mbt={values['mbt']} seqs={values['seqs']}"
-    return name, n, int(values["mbt"]), int(values["seqs"])
+    name = f"N={n} mbt={values['mbt']} seqs={values['seqs']}" + \
+        (f" {values['policy']}" if values["policy"] != "fcfs" else "")
+    return name, n, int(values["mbt"]), int(values["seqs"]), values["policy"]
 
 
 def main() -> int:
@@ -344,9 +347,10 @@ def main() -> int:
     parser.add_argument("--roofline-context", type=int, default=512)
     parser.add_argument("--peer-timeout", type=float, default=600)
     parser.add_argument("--skip", nargs="*", default=[], help="any of: peer match runs roofline profile")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lof"])
     parser.add_argument("--extra-runs", nargs="*", default=[], metavar="KEY=VALUE,...",
-                        help="more runs, each overriding n (default 8), mbt (max_num_batched_tokens) or "
-                             "seqs (max_num_seqs), e.g. 'seqs=512' 'n=8,mbt=4096'")
+                        help="more runs, each overriding n (default 8), mbt (max_num_batched_tokens), "
+                             "seqs (max_num_seqs) or policy (scheduling_policy), e.g. 'seqs=512' 'n=8,policy=lof'")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     RESULTS["device"] = torch.cuda.get_device_name()
@@ -380,11 +384,11 @@ def main() -> int:
         log(f"greedy match: {RESULTS['greedy_match_triton_vs_torch']}")
     RESULTS["runs"] = {}
     variants = [] if "runs" in args.skip else \
-        [(f"N={n}", n, args.max_num_batched_tokens, args.max_num_seqs) for n in args.steps] + \
-        [extra_run(spec, args) for spec in args.extra_runs]
-    for name, n, batched, seqs in variants:
+        [(f"N={n}", n, args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy)
+         for n in args.steps] + [extra_run(spec, args) for spec in args.extra_runs]
+    for name, n, batched, seqs, policy in variants:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=n, max_model_len=args.max_model_len,
-                  max_num_seqs=seqs, max_num_batched_tokens=batched)
+                  max_num_seqs=seqs, max_num_batched_tokens=batched, scheduling_policy=policy)
         if llm.engine.runner.graphs is not None:
             llm.engine.runner.graphs.warmup(seqs)
         log(f"sharegpt-synth {name}")

@@ -12,6 +12,7 @@ from typing import Literal, Union
 
 MAX_SCHEDULER_STEPS = 64
 AUTO = "auto"
+SCHEDULING_POLICIES = ("fcfs", "lof")
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len) capped by chunked prefill
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Order of admission from the queue: "fcfs" (arrival), or "lof" (longest output first: the largest
+    # remaining max_tokens first, SGLang's --schedule-policy lof), which starts long requests early.
+    scheduling_policy: Literal["fcfs", "lof"] = "fcfs"
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # fixed KV cache size in blocks (tests, CPU)
@@ -85,6 +89,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
                      "a positive integer")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+                 "one of " + ", ".join(SCHEDULING_POLICIES))
         _require(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "one of 8, 16, 32, 64, 128")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization,
                  "a fraction in (0, 1]")

@@ -9,6 +9,7 @@ latest arrival is preempted and later recomputed (its computed blocks stay in th
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -52,6 +53,11 @@ class SchedulerLimits:
     max_model_len: int
     num_scheduler_steps: int | str
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" or "lof" (longest remaining max_tokens first)
+
+
+def _lof_key(seq: Sequence) -> tuple[bool, int, float]:
+    return seq.num_preemptions == 0, -seq.remaining_tokens, seq.request.arrival_time
 
 
 class Scheduler:
@@ -65,7 +71,17 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.waiting.extend(request.sequences)
+        if self.limits.scheduling_policy == "lof":
+            for seq in request.sequences:
+                self._enqueue_lof(seq)
+        else:
+            self.waiting.extend(request.sequences)
+
+    def _enqueue_lof(self, seq: Sequence) -> None:
+        """Longest output first: preempted sequences ahead of fresh ones, then the largest remaining
+        max_tokens, then arrival. The queue stays sorted by that key (it does not change while a
+        sequence waits: a waiting sequence generates nothing)."""
+        bisect.insort_right(self.waiting, seq, key=_lof_key)
 
     @property
     def num_waiting(self) -> int:
@@ -128,6 +144,9 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if self.limits.scheduling_policy == "lof":
+            self._enqueue_lof(seq)
+            return
         # Back to the queue in arrival order, ahead of anything that came later.
         index = 0
         while index < len(self.waiting) and self.waiting[index].request.arrival_time <= seq.request.arrival_time:
@@ -162,7 +181,8 @@ class Scheduler:
             budget -= row.num_new_tokens
             index += 1
 
-        # Then waiting sequences, first come first served, while budget, seats and blocks last.
+        # Then waiting sequences in queue order (first come first served, or longest output first),
+        # while budget, seats and blocks last.
         # Not after a preemption: blocks are short, and readmitting at once would only thrash.
         preempted = self.num_preemptions != preemptions_before
         while not preempted and self.waiting and len(self.running) < self.limits.max_num_seqs and budget > 0:
@@ -212,5 +232,7 @@ class Scheduler:
                 if position is not None:
                     self.running.insert(position, child)
                     position += 1
+                elif self.limits.scheduling_policy == "lof":
+                    self._enqueue_lof(child)
                 else:
                     self.waiting.append(child)

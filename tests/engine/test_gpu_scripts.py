@@ -61,11 +61,12 @@ def test_roofline_times_decode_steps_with_every_row_present(gpu_run, tiny):
         assert row["step_ms"] > 0 and row["ratio"] == pytest.approx(row["step_ms"] / row["roofline_ms"])
 
 
-def test_extra_runs_override_n_admission_and_seats(gpu_run):
-    args = types.SimpleNamespace(max_num_batched_tokens=4096, max_num_seqs=256)
-    assert gpu_run.extra_run("seqs=512,mbt=16384", args) == ("N=8 mbt=16384 seqs=512", 8, 16384, 512)
-    assert gpu_run.extra_run("n=auto", args) == ("N=auto mbt=4096 seqs=256", "auto", 4096, 256)
-    with pytest.raises(SystemExit, match="'steps=4' is invalid: expected n=, mbt= or seqs="):
+def test_extra_runs_override_n_admission_seats_and_policy(gpu_run):
+    args = types.SimpleNamespace(max_num_batched_tokens=4096, max_num_seqs=256, scheduling_policy="fcfs")
+    assert gpu_run.extra_run("seqs=512,mbt=16384", args) == ("N=8 mbt=16384 seqs=512", 8, 16384, 512, "fcfs")
+    assert gpu_run.extra_run("n=auto", args) == ("N=auto mbt=4096 seqs=256", "auto", 4096, 256, "fcfs")
+    assert gpu_run.extra_run("policy=lof", args) == ("N=8 mbt=4096 seqs=256 lof", 8, 4096, 256, "lof")
+    with pytest.raises(SystemExit, match="'steps=4' is invalid: expected n=, mbt=, seqs= or policy="):
         gpu_run.extra_run("steps=4", args)
 
 

@@ -6,9 +6,9 @@ from lockstep_engine.scheduler import Scheduler, SchedulerLimits
 from lockstep_engine.sequence import Request
 
 
-def _scheduler(num_blocks=64, steps=8, max_seqs=8, budget=64, block_size=4):
+def _scheduler(num_blocks=64, steps=8, max_seqs=8, budget=64, block_size=4, policy="fcfs"):
     limits = SchedulerLimits(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=512,
-                             num_scheduler_steps=steps)
+                             num_scheduler_steps=steps, scheduling_policy=policy)
     return Scheduler(limits, BlockManager(num_blocks, block_size))
 
 
@@ -74,6 +74,31 @@ def test_latest_arrival_is_preempted_when_blocks_run_out():
     assert scheduler.waiting[0].num_computed == 0 and scheduler.waiting[0].block_ids == []
 
 
+def test_lof_admits_the_largest_max_tokens_first_and_fcfs_by_arrival():
+    lengths = {"a": 5, "b": 50, "c": 20, "d": 50}
+    for policy, expected in (("fcfs", ["a", "b", "c"]), ("lof", ["b", "d", "c"])):
+        scheduler = _scheduler(max_seqs=3, policy=policy)
+        for arrival, (name, max_tokens) in enumerate(lengths.items()):
+            scheduler.add_request(_request(name, 4, max_tokens=max_tokens, arrival=float(arrival)))
+        plan = scheduler.schedule()
+        # equal max_tokens (b, d) keep their arrival order
+        assert [r.seq.request.request_id for r in plan.rows] == expected
+        assert [seq.request.request_id for seq in scheduler.waiting] == [n for n in lengths if n not in expected]
+
+
+def test_lof_puts_a_preempted_sequence_ahead_of_fresh_ones():
+    scheduler = _scheduler(num_blocks=9, steps=4, policy="lof")
+    scheduler.add_request(_request("old", 12, max_tokens=100, arrival=0.0))
+    scheduler.add_request(_request("new", 12, max_tokens=90, arrival=1.0))
+    plan = scheduler.schedule()
+    assert [r.seq.request.request_id for r in plan.rows] == ["old", "new"]
+    scheduler.add_request(_request("longest", 4, max_tokens=400, arrival=2.0))
+    _finish_window(scheduler, plan)
+    plan = scheduler.schedule()  # blocks run short: "new" is preempted, and waits ahead of "longest"
+    assert [r.seq.request.request_id for r in plan.rows] == ["old"] and scheduler.num_preemptions == 1
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["new", "longest"]
+
+
 def test_n_samples_prefill_once_then_fork():
     scheduler = _scheduler()
     request = _request("a", 10, n=3)
@@ -104,3 +129,28 @@ def test_auto_shrinks_with_waiting_requests_and_grows_in_steady_decode():
         lengths.append(plan.num_steps)
         _finish_window(scheduler, plan)
     assert lengths == sorted(lengths) and lengths[-1] > lengths[0]
+
+
+def test_lof_engine_gives_fcfs_tokens_and_starts_long_requests_first(tiny):
+    from lockstep_engine.llm import LLM
+
+    prompts = [[3 + i, 40 + i, 200 + 7 * i] for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 17, 6, 25, 9)]
+    results = {}
+    for policy in ("fcfs", "lof"):
+        llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=4, max_num_seqs=2,
+                  scheduling_policy=policy)
+        engine, started, tokens = llm.engine, [], {}
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs[0].token_ids and out.request_id not in started:
+                    started.append(out.request_id)
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        results[policy] = [tokens[i] for i in ids], [ids.index(r) for r in started]
+    (fcfs_tokens, fcfs_started), (lof_tokens, lof_started) = results["fcfs"], results["lof"]
+    assert [len(t) for t in lof_tokens] == [3, 17, 6, 25, 9]
+    assert lof_tokens == fcfs_tokens  # greedy tokens do not depend on the admission order
+    # two seats: fcfs starts requests 0 and 1, lof the two largest max_tokens (25 and 17)
+    assert sorted(fcfs_started[:2]) == [0, 1] and sorted(lof_started[:2]) == [1, 3]

@@ -39,6 +39,7 @@ def test_sampling_params_errors_name_field_value_and_range(kwargs, field, allowe
     ({"block_size": 7}, "block_size"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"device": "tpu"}, "device"),
+    ({"scheduling_policy": "sjf"}, "scheduling_policy"),
 ])
 def test_engine_config_errors(kwargs, field):
     with pytest.raises(ConfigError, match=f"^{field}="):
@@ -113,3 +114,11 @@ def test_layout_rejected_by_model():
 
     with pytest.raises(ValueError, match="pipeline_parallel_size=5 exceeds the model's 4 layers"):
         stage_layers(4, 0, 5)
+
+
+def test_scheduling_policy_flag_takes_fcfs_or_lof(capsys):
+    assert serve.build_parser().parse_args(["smollm2", "--scheduling-policy", "lof"]).scheduling_policy == "lof"
+    assert bench_throughput._parser().parse_args(["smollm2"]).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["smollm2", "--scheduling-policy", "sjf"])
+    assert "argument --scheduling-policy: invalid choice: 'sjf'" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import json
 import sys
 
 from lockstep.bench.workload import make_workload
-from lockstep_engine.config import num_scheduler_steps_arg
+from lockstep_engine.config import SCHEDULING_POLICIES, num_scheduler_steps_arg
 from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="window lengths to compare (integers or auto)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
@@ -86,7 +87,7 @@ def main(argv: list[str]) -> int:
     steps = args.num_scheduler_steps
     common = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, device=args.device,
                   dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy)
     base = LLM(args.model, num_scheduler_steps=steps[0], **common)
     vocab = base.engine.model_config.vocab_size
     prompts, params = greedy_requests(make_workload(args.workload, args.num_prompts, seed=args.seed,

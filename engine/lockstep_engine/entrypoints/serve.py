@@ -16,7 +16,7 @@ import signal
 import sys
 from dataclasses import fields
 
-from lockstep_engine.config import ConfigError, EngineConfig, num_scheduler_steps_arg
+from lockstep_engine.config import SCHEDULING_POLICIES, ConfigError, EngineConfig, num_scheduler_steps_arg
 
 DEFAULT_PORT = 8000
 
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                        help="queue order: fcfs (arrival), or lof (longest max_tokens first)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--seed", type=int, default=0)
