@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 from lockstep.bench.workload import make_workload
 from lockstep_engine.config import num_scheduler_steps_arg
-from lockstep_engine.entrypoints.bench_offline import greedy_requests
+from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
 from lockstep_engine.llm import LLM
 
 KEYS = ("n", "mbt", "seqs", "policy")
@@ -53,17 +52,14 @@ def main() -> int:
     for spec, kwargs in runs:
         llm = LLM("random:tiny", share_model_with=base, device="cpu", max_model_len=2048,
                   num_gpu_blocks_override=args.num_gpu_blocks, **kwargs)
-        engine = llm.engine
-        started = time.perf_counter()
-        for prompt, param in zip(prompts, params):
-            engine.add_request(prompt, param)
-        while engine.has_unfinished_requests():
-            engine.step()
-        stats = engine.core.stats
+        run = run_offline(llm, prompts, params, progress=lambda message: print(f"[schedule_steps] {spec}: {message}",
+                                                                             file=sys.stderr, flush=True),
+                          progress_every_s=60)
+        stats = llm.engine.core.stats
         rows = stats.step_batch_sizes
         print(f"{spec:<28}{stats.num_steps:>7}{stats.num_windows:>9}{statistics.fmean(rows):>11.1f}"
-              f"{sum(1 for r in rows if r <= 16):>18}{engine.core.scheduler.num_preemptions:>11}"
-              f"{time.perf_counter() - started:>8.0f}", flush=True)
+              f"{sum(1 for r in rows if r <= 16):>18}{llm.engine.core.scheduler.num_preemptions:>11}"
+              f"{run.elapsed_s:>8.0f}", flush=True)
     return 0
 
 
