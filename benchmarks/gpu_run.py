@@ -130,6 +130,15 @@ def decode_batch(base: LLM, args, batch: int, steps: int, eager: bool = False) -
     return llm
 
 
+def device_kernels(prof, per: int) -> tuple[float, float, list]:
+    """Device time (us), kernel launches and the 12 costliest kernels of a profile, each divided by
+    `per` (steps or windows). Device kernels only: CPU-side aten ops report their kernels' time too."""
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    return (sum(e.self_device_time_total for e in events) / per, sum(e.count for e in events) / per,
+            [(e.key[:90], round(e.self_device_time_total / per), e.count // per) for e in top])
+
+
 def kernel_profile(base: LLM, args) -> dict:
     """torch.profiler over one pure-decode window (graph replays, and eager) at a few batch sizes:
     the kernels that take the device time, written to $OUT/profile.txt."""
@@ -143,14 +152,10 @@ def kernel_profile(base: LLM, args) -> dict:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 engine.step()
                 torch.cuda.synchronize()
-            # device kernels only (CPU-side aten ops report their kernels' time too)
-            events = [e for e in prof.key_averages() if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
-            total_us = sum(e.self_device_time_total for e in events)
-            top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
             key = f"batch {batch} {'eager' if eager else 'graphs'}"
-            report[key] = {"device_ms_per_step": total_us / 8 / 1e3, "kernels_per_step": sum(e.count for e in events) / 8,
-                           "top": [(e.key[:90], round(e.self_device_time_total / 8), e.count // 8) for e in top]}
-            lines.append(f"== {key}: {total_us / 8 / 1e3:.3f} ms device time per step (8-step window)")
+            total_us, kernels, top = device_kernels(prof, per=8)
+            report[key] = {"device_ms_per_step": total_us / 1e3, "kernels_per_step": kernels, "top": top}
+            lines.append(f"== {key}: {total_us / 1e3:.3f} ms device time per step (8-step window)")
             lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=80))
             log(f"profile {key}: {total_us / 8 / 1e3:.3f} ms/step; top: {report[key]['top'][:4]}")
     # Windows 20-22 of the N=8 workload: their first steps carry prefill chunks next to ~256 decode rows.
@@ -168,14 +173,11 @@ def kernel_profile(base: LLM, args) -> dict:
         for _ in range(windows):
             engine.step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
-    total_us = sum(e.self_device_time_total for e in events)
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
     key = "workload windows 20-22"
-    report[key] = {"device_ms_per_window": total_us / windows / 1e3,
-                   "prefill_tokens": stats.num_prompt_tokens_computed - tokens_before,
-                   "top": [(e.key[:90], round(e.self_device_time_total / windows), e.count // windows) for e in top]}
-    lines.append(f"== {key}: {total_us / windows / 1e3:.3f} ms device time per window, "
+    total_us, _, top = device_kernels(prof, per=windows)
+    report[key] = {"device_ms_per_window": total_us / 1e3,
+                   "prefill_tokens": stats.num_prompt_tokens_computed - tokens_before, "top": top}
+    lines.append(f"== {key}: {total_us / 1e3:.3f} ms device time per window, "
                  f"{report[key]['prefill_tokens']} prefill tokens in the {windows} windows")
     lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=80))
     log(f"profile {key}: {report[key]}")

@@ -71,17 +71,26 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if self.limits.scheduling_policy == "lof":
-            for seq in request.sequences:
-                self._enqueue_lof(seq)
-        else:
-            self.waiting.extend(request.sequences)
+        for seq in request.sequences:
+            self._enqueue(seq)
 
-    def _enqueue_lof(self, seq: Sequence) -> None:
-        """Longest output first: preempted sequences ahead of fresh ones, then the largest remaining
-        max_tokens, then arrival. The queue stays sorted by that key (it does not change while a
-        sequence waits: a waiting sequence generates nothing)."""
-        bisect.insort_right(self.waiting, seq, key=_lof_key)
+    def _enqueue(self, seq: Sequence, preempted: bool = False) -> None:
+        """Puts a sequence in the queue at its place under the policy.
+
+        fcfs: last, or a preempted sequence back in arrival order, ahead of anything that came later.
+        lof: preempted sequences ahead of fresh ones, then the largest remaining max_tokens, then
+        arrival; the queue stays sorted by that key (it does not change while a sequence waits: a
+        waiting sequence generates nothing)."""
+        if self.limits.scheduling_policy == "lof":
+            bisect.insort_right(self.waiting, seq, key=_lof_key)
+            return
+        if not preempted:
+            self.waiting.append(seq)
+            return
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].request.arrival_time <= seq.request.arrival_time:
+            index += 1
+        self.waiting.insert(index, seq)
 
     @property
     def num_waiting(self) -> int:
@@ -144,14 +153,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        if self.limits.scheduling_policy == "lof":
-            self._enqueue_lof(seq)
-            return
-        # Back to the queue in arrival order, ahead of anything that came later.
-        index = 0
-        while index < len(self.waiting) and self.waiting[index].request.arrival_time <= seq.request.arrival_time:
-            index += 1
-        self.waiting.insert(index, seq)
+        self._enqueue(seq, preempted=True)
 
     def schedule(self) -> WindowPlan | None:
         num_steps = self._choose_num_steps()
@@ -232,7 +234,5 @@ class Scheduler:
                 if position is not None:
                     self.running.insert(position, child)
                     position += 1
-                elif self.limits.scheduling_policy == "lof":
-                    self._enqueue_lof(child)
                 else:
-                    self.waiting.append(child)
+                    self._enqueue(child)
