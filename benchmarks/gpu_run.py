@@ -218,14 +218,19 @@ def greedy_match(base: LLM, args) -> dict:
     vocab = base.engine.model_config.vocab_size
     prompts = [[(7919 * i + 31 * k) % (vocab - 1000) + 1000 for k in range(16 + 5 * i)] for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    # Without logprobs the decode steps run as CUDA graph replays (decode-only windows from step 1 on);
+    # with them, eagerly: triton_graphs vs triton compares the two paths.
+    plain = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     results = {}
-    for name, backend, steps, fused in (("torch", "torch", 8, True), ("triton", "triton", 8, True),
-                                        ("triton_n1", "triton", 1, True), ("triton_unfused", "triton", 8, False)):
+    for name, backend, steps, fused, sampling in (
+            ("torch", "torch", 8, True, params), ("triton", "triton", 8, True, params),
+            ("triton_n1", "triton", 1, True, params), ("triton_unfused", "triton", 8, False, params),
+            ("triton_graphs", "triton", 8, True, plain)):
         try:
             set_fused_kernels(fused)
             llm = LLM(args.model, share_model_with=base, attention_backend=backend, num_scheduler_steps=steps,
                       max_model_len=args.max_model_len)
-            results[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            results[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
         except Exception as error:  # the report says which variant failed and why
             results[name] = repr(error)
             log(f"{name} failed: {traceback.format_exc()}")
@@ -254,18 +259,27 @@ def greedy_match(base: LLM, args) -> dict:
         if k is not None:
             top = a.outputs[0].logprobs[k].top
             n_gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
-    fused_same, fused_gaps = 0, []
-    for a, b in zip(results["triton_unfused"], results["triton"]):
+    fused_same, fused_gaps = divergences(results["triton_unfused"], results["triton"])
+    graphs_same, graphs_gaps = divergences(results["triton"], results["triton_graphs"])
+    return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap,
+            "triton_n1_vs_n8_identical": n_same, "n1_vs_n8_first_divergence_top2_gaps": n_gaps[:16],
+            "fused_vs_unfused_identical": fused_same, "fused_vs_unfused_first_divergence_top2_gaps": fused_gaps[:16],
+            "graphs_vs_eager_identical": graphs_same, "graphs_vs_eager_first_divergence_top2_gaps": graphs_gaps[:16]}
+
+
+def divergences(reference, other) -> tuple[int, list]:
+    """(prompts with identical tokens, the reference's top-2 logprob gap at each first divergence);
+    `reference` was generated with logprobs."""
+    same, gaps = 0, []
+    for a, b in zip(reference, other):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         if ta == tb:
-            fused_same += 1
+            same += 1
             continue
         k = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
         top = a.outputs[0].logprobs[k].top
-        fused_gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
-    return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap,
-            "triton_n1_vs_n8_identical": n_same, "n1_vs_n8_first_divergence_top2_gaps": n_gaps[:16],
-            "fused_vs_unfused_identical": fused_same, "fused_vs_unfused_first_divergence_top2_gaps": fused_gaps[:16]}
+        gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
+    return same, gaps
 
 
 def set_fused_kernels(on: bool) -> None:
@@ -414,7 +428,8 @@ def main() -> int:
         json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)
     if args.peer_prompts and "runs" not in args.skip:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=8, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  scheduling_policy=args.scheduling_policy)
         RESULTS["runs"][f"N=8 first {args.peer_prompts}"] = run_workload(
             llm, prompts[:args.peer_prompts], params[:args.peer_prompts], "N=8 peer-sized")
     json.dump(RESULTS, open(os.path.join(OUT, "results.json"), "w"), indent=2)

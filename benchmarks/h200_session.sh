@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU runs of one device session, on a two-GPU H200 host, in two calls of under ten minutes:
 #
-#   bash benchmarks/h200_session.sh single     # GPU 0: benchmarks/gpu_run.py (N=8/1/auto, roofline,
-#                                              #   kernel profile, Triton vs torch tokens);
-#                                              # GPU 1 meanwhile: the transformers peer, the kernel and
-#                                              #   step-timer tests, the timer-cost benchmark
+#   bash benchmarks/h200_session.sh single     # GPU 0: benchmarks/gpu_run.py (N=8/1/auto with
+#                                              #   longest-output-first admission, FCFS and 512 seats as
+#                                              #   extra runs, roofline, kernel profile, token matches);
+#                                              # GPU 1 meanwhile: the transformers peer, the kernel,
+#                                              #   step-timer and decode-graph tests
 #   bash benchmarks/h200_session.sh parallel   # both GPUs: TP=1/TP=2/PP=2 at N=8 and 1 (NCCL)
 #
 # Logs and JSON go to $OUT (at most 8 files come back from the device tool).
@@ -21,14 +22,15 @@ single)
         OUT=$OUT/peer timeout 330 python benchmarks/gpu_run.py --num-prompts "$PROMPTS" --peer-prompts 200 \
             --peer-timeout 280 --skip match runs roofline profile
         echo "== peer exit $?"
-        timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_step_timer.py
+        timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_step_timer.py \
+            tests/engine/test_decode_graphs.py
         echo "== tests exit $?"
-        timeout 90 python benchmarks/gap_timer_cost.py --model random:llama-3-8b --steps 1 8
-        echo "== gap_timer_cost exit $?"
     ) >"$OUT/gpu1.log" 2>&1 &
     side=$!
-    CUDA_VISIBLE_DEVICES=0 timeout 540 python benchmarks/gpu_run.py --num-prompts "$PROMPTS" --steps 8 1 auto \
-        --peer-prompts 200 --skip peer --extra-runs mbt=16384 2>"$OUT/gpu0.log"
+    # Longest-output-first admission for the table's N=8/1/auto; FCFS and more seats as extra runs.
+    CUDA_VISIBLE_DEVICES=0 timeout 560 python benchmarks/gpu_run.py --num-prompts "$PROMPTS" --steps 8 1 auto \
+        --scheduling-policy lof --max-num-batched-tokens 16384 --peer-prompts 200 --skip peer \
+        --extra-runs policy=fcfs seqs=512 n=16,seqs=512 2>"$OUT/gpu0.log"
     echo "== gpu_run exit $?"
     wait $side
     tail -n 40 "$OUT/gpu1.log"

@@ -336,6 +336,9 @@ class ModelRunner:
 
         clock, rows_n = self.clock, len(sampling_rows)
         clock.begin_window(continuing)
+        graph = self._decode_window_graph(plan, first)
+        if graph is not None:
+            return self._replay_window(graph, plan.num_steps, rows_n, on_step, timings)
         clock.start(StepTag(1, first_step_phase(plan), rows_n))
         hidden = self._forward(first.input_ids, first.positions, first.meta)
         if not sampling_rows:
@@ -377,6 +380,41 @@ class ModelRunner:
             outputs.push(step, emitted, out, sync=not stream_async)
             if guide is not None:
                 guide.accept(outputs.last_tokens)
+        outputs.drain()
+        timings.steps = clock.harvest()
+        return timings
+
+    def _decode_window_graph(self, plan: WindowPlan, first: "FirstStep"):
+        """The graph that runs every step of a window, its first included, when the window is decode
+        rows only: one new token per row, every row sampling, nothing that needs the host per step.
+        Step 1 of such a window is the decode step the graph holds, from the rows' last tokens."""
+        rows = plan.rows
+        if (self.graphs is None or first.sampling is None or len(first.sampling_rows) != len(rows)
+                or first.input_ids.shape[0] != len(rows) or has_guided_rows(rows)):
+            return None
+        n = len(rows)
+        state = DecodeState(
+            tokens=first.input_ids, positions=first.positions, table=first.block_table,
+            done=torch.zeros(n, dtype=torch.bool, device=self.device),
+            steps_done=torch.zeros(n, dtype=torch.int64, device=self.device),
+            max_steps=first.max_steps, num_generated=first.num_generated, sampling=first.sampling,
+            counts=first.counts)
+        if not self.graphs.usable(state, None):
+            return None
+        return self.graphs.begin(state)
+
+    def _replay_window(self, graph, num_steps: int, rows_n: int, on_step: Callable[[StepOutput], None],
+                       timings: WindowTimings) -> WindowTimings:
+        """All steps of a decode-only window as graph replays; tokens stream as each step's copy lands."""
+        clock = self.clock
+        outputs = StepStream(on_step, timings, self.host_ring)
+        emitted = graph.inputs["emitted"][:rows_n]
+        for step in range(1, num_steps + 1):
+            clock.start(StepTag(step, "decode", rows_n))
+            graph.graph.replay()
+            clock.end()
+            timings.num_steps = step
+            outputs.push(step, emitted, None, sync=self.host_ring is None)
         outputs.drain()
         timings.steps = clock.harvest()
         return timings

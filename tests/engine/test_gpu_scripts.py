@@ -86,3 +86,12 @@ def test_parallel_runner_compares_layouts_in_separate_processes(tmp_path):
     # fp32 on the CPU: TP=2 gives the single process's greedy tokens exactly
     assert summary["greedy_vs_tp1"]["TP=2 PP=1 N=8"]["identical"] == 64
     assert "TP=2 PP=1 N=8" in done.stdout
+
+
+def test_greedy_match_compares_backends_steps_fusion_and_graphs(gpu_run, tiny):
+    args = types.SimpleNamespace(model="random:tiny", max_model_len=512)
+    result = gpu_run.greedy_match(tiny, args)
+    assert "error" not in result and result["prompts"] == 64
+    # On the CPU in fp32 every variant computes the same numbers (fusion and graphs are CUDA-only)
+    assert result["identical"] == result["triton_n1_vs_n8_identical"] == 64
+    assert result["fused_vs_unfused_identical"] == result["graphs_vs_eager_identical"] == 64

@@ -1,0 +1,68 @@
+"""The static-buffer path of decode graphs, on the CPU: `DecodeGraphs(capture=False)` runs each replay's
+operations directly on the graph's buffers, so the CPU checks what CUDA replays would compute —
+including windows of decode rows only, which replay from their first step on."""
+
+import pytest
+import torch
+
+from lockstep_engine.cuda_graphs import DecodeGraphs
+from lockstep_engine.llm import LLM
+from lockstep_engine.sampling_params import SamplingParams
+
+PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * k) % 250 + 1 for k in range(5 + 3 * i)]} for i in range(6)]
+
+
+def _params():
+    greedy = [SamplingParams(temperature=0, max_tokens=11 + 4 * i, ignore_eos=True) for i in range(4)]
+    sampled = [SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=17, ignore_eos=True),
+               SamplingParams(temperature=1.0, seed=9, max_tokens=9, ignore_eos=True)]
+    return greedy + sampled
+
+
+def _tokens(llm: LLM, params) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("steps", [1, 8])
+def test_replayed_windows_give_the_eager_tokens(steps, monkeypatch):
+    llm = LLM("random:tiny", num_scheduler_steps=steps, num_gpu_blocks_override=256, max_num_seqs=8)
+    runner = llm.engine.runner
+    assert runner.graphs is None  # the CPU runs eagerly
+    eager = _tokens(llm, _params())
+
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    replayed = []
+    replay_window = runner._replay_window
+    monkeypatch.setattr(runner, "_replay_window",
+                        lambda graph, num_steps, *rest: replayed.append(num_steps) or replay_window(graph, num_steps, *rest))
+    assert _tokens(llm, _params()) == eager
+    # Once every prompt is in, windows hold decode rows only and run entirely as replays.
+    assert replayed and all(n == steps for n in replayed)
+    assert [len(t) for t in eager] == [p.max_tokens for p in _params()]
+
+
+def test_windows_needing_the_host_per_step_stay_eager(monkeypatch):
+    llm = LLM("random:tiny", num_scheduler_steps=4, num_gpu_blocks_override=256, max_num_seqs=8)
+    runner = llm.engine.runner
+    params = [SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)]
+    eager = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    replayed = []
+    monkeypatch.setattr(runner, "_replay_window", lambda *args: replayed.append(args))
+    again = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+    assert not replayed  # logprobs: no graph
+    assert again.token_ids == eager.token_ids
+    assert [p.logprob for p in again.logprobs] == pytest.approx([p.logprob for p in eager.logprobs])
+    assert len(again.logprobs) == 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("steps", [1, 8])
+def test_captured_graphs_give_the_eager_tokens_on_cuda(steps):
+    """Real captures (fp32, so both paths round alike): every window, decode-only ones replayed from step 1."""
+    common = dict(num_scheduler_steps=steps, num_gpu_blocks_override=256, max_num_seqs=8, dtype="float32")
+    eager = LLM("random:tiny", enforce_eager=True, **common)
+    graphed = LLM("random:tiny", **common)
+    assert eager.engine.runner.graphs is None and graphed.engine.runner.graphs is not None
+    assert _tokens(graphed, _params()) == _tokens(eager, _params())
+    assert graphed.engine.runner.graphs.graphs  # captured at least one bucket
