@@ -190,6 +190,7 @@ class EngineCore:
         stats.prepare_s += timings.prepare_s
         stats.output_s += timings.output_s
         # Device timings arrive as the device finishes them: possibly some of an earlier window's steps.
+        adaptive = self.config.is_adaptive
         for timed in timings.steps:
             stats.forward_s += timed.forward_s
             if timed.tag.step > 1:
@@ -197,6 +198,9 @@ class EngineCore:
                 stats.decode_step_batch.append(timed.tag.batch)
             if timed.gap_s is not None:
                 (stats.gaps_s if timed.tag.step > 1 else stats.boundary_gaps_s).append(timed.gap_s)
+            if adaptive:
+                self.scheduler.observe_costs(timed.gap_s if timed.tag.step == 1 else None,
+                                             timed.forward_s if timed.tag.phase == "decode" else None)
         stats.update_s += time.perf_counter() - update_start
         return timings
 

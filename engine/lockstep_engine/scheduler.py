@@ -3,13 +3,16 @@
 Each call to `schedule()` plans one window: a batch whose first step may carry prefill chunks
 (chunked prefill) next to decodes, and whose sampling rows then decode `num_steps` tokens without
 coming back here. Every KV slot the window may write is reserved beforehand (lookahead), so the
-device never needs the host mid-window. Order is first-come first-served; when blocks run out the
-latest arrival is preempted and later recomputed (its computed blocks stay in the prefix cache).
+device never needs the host mid-window. Order is first-come first-served or longest output first
+(`scheduling_policy`); when blocks run out the latest admitted is preempted and later recomputed (its
+computed blocks stay in the prefix cache). With `num_scheduler_steps="auto"` the window length follows
+the load and the measured costs of a step and of a window boundary (`observe_costs`).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -20,6 +23,11 @@ from lockstep_engine.sequence import Request, Sequence, SequenceStatus
 AUTO_MIN_STEPS = 1
 AUTO_MAX_STEPS = 32
 AUTO_START_STEPS = 4
+AUTO_WAITING_STEPS = 2  # with requests waiting, before any step was measured
+# With requests waiting, auto windows are as short as they can be while the device's idle time at a
+# window boundary stays at most this share of the window's decode time.
+AUTO_BOUNDARY_SHARE = 0.05
+AUTO_COST_WEIGHT = 0.1  # weight of a new measurement in the running averages of the costs
 
 
 @dataclass(slots=True)
@@ -56,6 +64,10 @@ class SchedulerLimits:
     scheduling_policy: str = "fcfs"  # "fcfs" or "lof" (longest remaining max_tokens first)
 
 
+def _average(current: float | None, value: float) -> float:
+    return value if current is None else current + AUTO_COST_WEIGHT * (value - current)
+
+
 def _lof_key(seq: Sequence) -> tuple[bool, int, float]:
     return seq.num_preemptions == 0, -seq.remaining_tokens, seq.request.arrival_time
 
@@ -68,6 +80,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._auto_steps = AUTO_START_STEPS
+        self._boundary_s: float | None = None  # running average of the idle time at a window boundary
+        self._decode_step_s: float | None = None  # running average of a decode step's device time
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -116,13 +130,28 @@ class Scheduler:
         self.blocks.free(seq)
 
     # ---- planning ---------------------------------------------------------------------------
+    def observe_costs(self, boundary_gap_s: float | None = None, decode_step_s: float | None = None) -> None:
+        """Measured costs for `auto`: the device's idle time between two back-to-back windows, and a
+        decode step's device time (running averages)."""
+        if boundary_gap_s is not None:
+            self._boundary_s = _average(self._boundary_s, boundary_gap_s)
+        if decode_step_s is not None:
+            self._decode_step_s = _average(self._decode_step_s, decode_step_s)
+
+    def _waiting_steps(self) -> int:
+        """Window length while requests wait: short, so they get in sooner (time to first token), but
+        long enough that the boundary's idle time is at most AUTO_BOUNDARY_SHARE of the window."""
+        if self._boundary_s is None or not self._decode_step_s:
+            return AUTO_WAITING_STEPS
+        steps = math.ceil(self._boundary_s / (AUTO_BOUNDARY_SHARE * self._decode_step_s))
+        return max(AUTO_MIN_STEPS, min(steps, AUTO_MAX_STEPS))
+
     def _choose_num_steps(self) -> int:
         steps = self.limits.num_scheduler_steps
         if steps != AUTO:
             return steps
         if self.waiting:
-            # Requests are waiting: short windows let them in sooner (time to first token).
-            self._auto_steps = max(AUTO_MIN_STEPS, min(self._auto_steps // 2, 2))
+            self._auto_steps = self._waiting_steps()
         else:
             self._auto_steps = min(self._auto_steps * 2, AUTO_MAX_STEPS)
         bound = min((seq.remaining_tokens for seq in self.running), default=self._auto_steps)

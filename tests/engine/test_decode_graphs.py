@@ -25,7 +25,7 @@ def _tokens(llm: LLM, params) -> list[list[int]]:
 
 @pytest.mark.parametrize("steps", [1, 8])
 def test_replayed_windows_give_the_eager_tokens(steps, monkeypatch):
-    llm = LLM("random:tiny", num_scheduler_steps=steps, num_gpu_blocks_override=256, max_num_seqs=8)
+    llm = LLM("random:tiny", device="cpu", num_scheduler_steps=steps, num_gpu_blocks_override=256, max_num_seqs=8)
     runner = llm.engine.runner
     assert runner.graphs is None  # the CPU runs eagerly
     eager = _tokens(llm, _params())
@@ -42,7 +42,7 @@ def test_replayed_windows_give_the_eager_tokens(steps, monkeypatch):
 
 
 def test_windows_needing_the_host_per_step_stay_eager(monkeypatch):
-    llm = LLM("random:tiny", num_scheduler_steps=4, num_gpu_blocks_override=256, max_num_seqs=8)
+    llm = LLM("random:tiny", device="cpu", num_scheduler_steps=4, num_gpu_blocks_override=256, max_num_seqs=8)
     runner = llm.engine.runner
     params = [SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)]
     eager = llm.generate(PROMPTS[:1], params)[0].outputs[0]

@@ -154,3 +154,39 @@ def test_lof_engine_gives_fcfs_tokens_and_starts_long_requests_first(tiny):
     assert lof_tokens == fcfs_tokens  # greedy tokens do not depend on the admission order
     # two seats: fcfs starts requests 0 and 1, lof the two largest max_tokens (25 and 17)
     assert sorted(fcfs_started[:2]) == [0, 1] and sorted(lof_started[:2]) == [1, 3]
+
+
+def test_auto_with_waiting_requests_keeps_the_boundary_a_small_share_of_the_window():
+    from lockstep_engine.scheduler import AUTO_BOUNDARY_SHARE, AUTO_MAX_STEPS, AUTO_WAITING_STEPS
+
+    scheduler = _scheduler(steps="auto", max_seqs=1)
+    for name in "abc":
+        scheduler.add_request(_request(name, 4, max_tokens=200))
+    plan = scheduler.schedule()
+    assert plan.num_steps == AUTO_WAITING_STEPS  # nothing measured yet
+    _finish_window(scheduler, plan)
+    # 4 ms idle at a boundary, 8 ms a step: 10 steps keep the idle time at 5% of the window
+    scheduler.observe_costs(boundary_gap_s=0.004, decode_step_s=0.008)
+    assert AUTO_BOUNDARY_SHARE == 0.05
+    plan = scheduler.schedule()
+    assert plan.num_steps == 10
+    _finish_window(scheduler, plan)
+    # running averages: one cheap boundary moves the estimate a tenth of the way
+    scheduler.observe_costs(boundary_gap_s=0.0)
+    plan = scheduler.schedule()
+    assert plan.num_steps == 9  # ceil(3.6 ms / (0.05 x 8 ms))
+    _finish_window(scheduler, plan)
+    for _ in range(200):
+        scheduler.observe_costs(boundary_gap_s=1.0, decode_step_s=0.001)
+    assert scheduler.schedule().num_steps == AUTO_MAX_STEPS
+
+
+def test_auto_engine_learns_costs_from_its_step_timings(tiny):
+    from lockstep_engine.llm import LLM
+
+    llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps="auto", max_num_seqs=2)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 13 + i]} for i in range(6)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 6
+    scheduler = llm.engine.core.scheduler
+    assert scheduler._boundary_s is not None and scheduler._decode_step_s > 0
