@@ -154,7 +154,10 @@ class Scheduler:
             self._auto_steps = self._waiting_steps()
         else:
             self._auto_steps = min(self._auto_steps * 2, AUTO_MAX_STEPS)
-        bound = min((seq.remaining_tokens for seq in self.running), default=self._auto_steps)
+        # No step past the end of every running row. Rows that end earlier idle in the window (a
+        # decode step's cost hardly depends on its rows) rather than cutting it short: a boundary
+        # costs more than a few idle rows.
+        bound = max((seq.remaining_tokens for seq in self.running), default=self._auto_steps)
         return max(AUTO_MIN_STEPS, min(self._auto_steps, bound))
 
     def _plan_row(self, seq: Sequence, budget: int, num_steps: int) -> ScheduledSeq | None:

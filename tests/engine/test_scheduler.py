@@ -190,3 +190,15 @@ def test_auto_engine_learns_costs_from_its_step_timings(tiny):
     assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 6
     scheduler = llm.engine.core.scheduler
     assert scheduler._boundary_s is not None and scheduler._decode_step_s > 0
+
+
+def test_auto_window_is_not_cut_short_by_a_row_about_to_end():
+    scheduler = _scheduler(steps="auto", max_seqs=2)
+    scheduler.add_request(_request("a", 4, max_tokens=3))
+    scheduler.add_request(_request("b", 4, max_tokens=40))
+    first = scheduler.schedule()
+    assert first.num_steps == 2 and len(first.rows) == 2  # requests were waiting when it was planned
+    _finish_window(scheduler, first)
+    plan = scheduler.schedule()  # "a" has 1 token left, "b" 38
+    assert plan.num_steps == 4
+    assert {row.seq.request.request_id: row.max_steps for row in plan.rows} == {"a": 1, "b": 4}
