@@ -7,6 +7,7 @@ continuous-batching peer, and a decode roofline. Prints one table; writes JSON a
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -88,6 +89,8 @@ def run_workload(llm: LLM, prompts, params, label: str) -> dict:
         "mean_boundary_gap_us": 1e6 * statistics.fmean(stats.boundary_gaps_s) if stats.boundary_gaps_s else float("nan"),
         "idle_fraction": 1 - busy / run.elapsed_s,
         "steps": stats.num_steps, "windows": stats.num_windows,
+        "window_steps": dict(sorted(collections.Counter(stats.window_steps).items())),  # planned N: windows
+        "median_boundary_gap_us": 1e6 * statistics.median(stats.boundary_gaps_s) if stats.boundary_gaps_s else float("nan"),
         "mean_batch": statistics.fmean(stats.step_batch_sizes) if stats.step_batch_sizes else 0,
         "step_ms": 1e3 * busy / max(stats.num_steps, 1),
         # the step timer never waits on the device in steady state; the pinned output ring stops growing

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ AUTO_WAITING_STEPS = 2  # with requests waiting, before any step was measured
 # With requests waiting, auto windows are as short as they can be while the device's idle time at a
 # window boundary stays at most this share of the window's decode time.
 AUTO_BOUNDARY_SHARE = 0.05
-AUTO_COST_WEIGHT = 0.1  # weight of a new measurement in the running averages of the costs
+AUTO_COST_SAMPLES = 32  # costs are the median of the last this many measurements (robust to warm-up outliers)
 
 
 @dataclass(slots=True)
@@ -64,10 +65,6 @@ class SchedulerLimits:
     scheduling_policy: str = "fcfs"  # "fcfs" or "lof" (longest remaining max_tokens first)
 
 
-def _average(current: float | None, value: float) -> float:
-    return value if current is None else current + AUTO_COST_WEIGHT * (value - current)
-
-
 def _lof_key(seq: Sequence) -> tuple[bool, int, float]:
     return seq.num_preemptions == 0, -seq.remaining_tokens, seq.request.arrival_time
 
@@ -80,8 +77,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._auto_steps = AUTO_START_STEPS
-        self._boundary_s: float | None = None  # running average of the idle time at a window boundary
-        self._decode_step_s: float | None = None  # running average of a decode step's device time
+        self._boundary_s: deque[float] = deque(maxlen=AUTO_COST_SAMPLES)  # idle time at window boundaries
+        self._decode_step_s: deque[float] = deque(maxlen=AUTO_COST_SAMPLES)  # decode steps' device time
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -132,18 +129,21 @@ class Scheduler:
     # ---- planning ---------------------------------------------------------------------------
     def observe_costs(self, boundary_gap_s: float | None = None, decode_step_s: float | None = None) -> None:
         """Measured costs for `auto`: the device's idle time between two back-to-back windows, and a
-        decode step's device time (running averages)."""
+        decode step's device time."""
         if boundary_gap_s is not None:
-            self._boundary_s = _average(self._boundary_s, boundary_gap_s)
+            self._boundary_s.append(boundary_gap_s)
         if decode_step_s is not None:
-            self._decode_step_s = _average(self._decode_step_s, decode_step_s)
+            self._decode_step_s.append(decode_step_s)
 
     def _waiting_steps(self) -> int:
         """Window length while requests wait: short, so they get in sooner (time to first token), but
         long enough that the boundary's idle time is at most AUTO_BOUNDARY_SHARE of the window."""
-        if self._boundary_s is None or not self._decode_step_s:
+        if not self._boundary_s or not self._decode_step_s:
             return AUTO_WAITING_STEPS
-        steps = math.ceil(self._boundary_s / (AUTO_BOUNDARY_SHARE * self._decode_step_s))
+        step = statistics.median(self._decode_step_s)
+        if step <= 0:
+            return AUTO_MAX_STEPS
+        steps = math.ceil(statistics.median(self._boundary_s) / (AUTO_BOUNDARY_SHARE * step))
         return max(AUTO_MIN_STEPS, min(steps, AUTO_MAX_STEPS))
 
     def _choose_num_steps(self) -> int:
