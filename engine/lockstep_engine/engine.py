@@ -8,8 +8,9 @@ import time
 
 from lockstep.protocol import SequenceOutput
 from lockstep_engine.config import EngineConfig
-from lockstep_engine.engine_core import EngineCore
 from lockstep_engine.distributed import create_runner
+from lockstep_engine.engine_core import EngineCore
+from lockstep_engine.model_runner import ModelRunner
 from lockstep_engine.output_processor import OutputProcessor, RequestState
 from lockstep_engine.outputs import CompletionOutput, RequestOutput
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
@@ -33,6 +34,11 @@ class LLMEngine:
         else:
             other = share_model_with
             self.tokenizer, self.model_config, self.runner = other.tokenizer, other.model_config, other.runner
+            if isinstance(self.runner, ModelRunner):  # one rank (a group's workers hold their own)
+                self.runner.use_attention_backend(config.attention_backend)
+            elif config.attention_backend != "auto":
+                raise ValueError(f"attention_backend={config.attention_backend!r}: an engine sharing a "
+                                 "parallel group's model runs the group's backend (expected auto)")
             self.config = config.with_model_limits(other.model_config.max_position_embeddings)
         self.core = EngineCore(self.config, self.runner)
         self.processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)

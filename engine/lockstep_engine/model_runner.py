@@ -154,12 +154,39 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.clock = StepClock(self.device)
         self.host_ring = HostRing() if self.device.type == "cuda" else None
-        self.graphs = None
-        if (self.device.type == "cuda" and not config.enforce_eager and state.pp_size == 1
-                and getattr(self.backend, "graph_safe", False)):
+        self._own_backend = self.backend
+        self._graphs_by_backend: dict[str, object] = {}
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self):
+        """The decode graphs of the current attention backend (None where steps run eagerly)."""
+        if (self.device.type != "cuda" or self.config.enforce_eager or self.state.pp_size > 1
+                or not getattr(self.backend, "graph_safe", False)):
+            return None
+        if self.backend.name not in self._graphs_by_backend:
             from lockstep_engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self._graphs_by_backend[self.backend.name] = DecodeGraphs(self)
+        return self._graphs_by_backend[self.backend.name]
+
+    def use_attention_backend(self, name: str) -> None:
+        """Runs the loaded model with another attention backend ("auto": the runner's own), on the same
+        weights and KV cache: engines sharing this runner compare backends without a second copy of
+        the model. Graphs captured with one backend are never replayed with another."""
+        if name == "auto":
+            backend = self._own_backend
+        elif name == self.backend.name:
+            return
+        elif name == self._own_backend.name:
+            backend = self._own_backend
+        else:
+            attn = self.model.attention_layers()[0]
+            backend = make_backend(name, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size,
+                                   self.device)
+        self.backend = backend
+        for attn in self.model.attention_layers():
+            attn.backend = backend
+        self.graphs = self._decode_graphs()
 
     # ---- setup ------------------------------------------------------------------------------
     def _load_weights(self, source: ModelSource) -> None:

@@ -66,3 +66,20 @@ def test_captured_graphs_give_the_eager_tokens_on_cuda(steps):
     assert eager.engine.runner.graphs is None and graphed.engine.runner.graphs is not None
     assert _tokens(graphed, _params()) == _tokens(eager, _params())
     assert graphed.engine.runner.graphs.graphs  # captured at least one bucket
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend needs a CUDA device")
+def test_engines_sharing_a_model_run_the_attention_backend_they_ask_for():
+    base = LLM("random:tiny", num_gpu_blocks_override=256, max_num_seqs=8, dtype="float32")
+    runner = base.engine.runner
+    assert runner.backend.name == "triton" and runner.graphs is not None
+    triton_tokens = _tokens(base, _params())
+    reference = LLM("random:tiny", share_model_with=base, attention_backend="torch", max_num_seqs=8)
+    assert runner.backend.name == "torch" and runner.graphs is None
+    assert all(attn.backend is runner.backend for attn in runner.model.attention_layers())
+    torch_tokens = _tokens(reference, _params())
+    same = sum(a == b for a, b in zip(triton_tokens, torch_tokens))
+    assert same >= len(triton_tokens) - 1, (triton_tokens, torch_tokens)  # fp32: at most a rare near-tie
+    LLM("random:tiny", share_model_with=base, max_num_seqs=8)  # auto: the runner's own backend and graphs
+    assert runner.backend.name == "triton" and runner.graphs is not None
+    assert _tokens(base, _params()) == triton_tokens

@@ -90,8 +90,11 @@ def test_parallel_runner_compares_layouts_in_separate_processes(tmp_path):
 
 def test_greedy_match_compares_backends_steps_fusion_and_graphs(gpu_run, tiny):
     args = types.SimpleNamespace(model="random:tiny", max_model_len=512)
+    with pytest.raises(ValueError, match="attention_backend='triton' needs device='cuda'"):
+        LLM("random:tiny", share_model_with=tiny, attention_backend="triton")
+    gpu_run.FAST_BACKEND = "torch"  # the CPU has no Triton backend: the script's logic, torch against itself
     result = gpu_run.greedy_match(tiny, args)
     assert "error" not in result and result["prompts"] == 64
-    # On the CPU in fp32 every variant computes the same numbers (fusion and graphs are CUDA-only)
+    # On the CPU in fp32 every variant computes the same numbers (Triton, fusion and graphs are CUDA-only)
     assert result["identical"] == result["triton_n1_vs_n8_identical"] == 64
     assert result["fused_vs_unfused_identical"] == result["graphs_vs_eager_identical"] == 64
