@@ -267,12 +267,30 @@ def greedy_match(base: LLM, args) -> dict:
         if k is not None:
             top = a.outputs[0].logprobs[k].top
             n_gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
+    _, torch_gaps = divergences(results["torch"], results["triton"])
     fused_same, fused_gaps = divergences(results["triton_unfused"], results["triton"])
     graphs_same, graphs_gaps = divergences(results["triton"], results["triton_graphs"])
     return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap,
+            "triton_vs_torch_first_divergence_top2_gaps": torch_gaps[:32],
+            "triton_vs_torch_cross_top2": cross_top2(results["torch"], results["triton"]),
             "triton_n1_vs_n8_identical": n_same, "n1_vs_n8_first_divergence_top2_gaps": n_gaps[:16],
             "fused_vs_unfused_identical": fused_same, "fused_vs_unfused_first_divergence_top2_gaps": fused_gaps[:16],
             "graphs_vs_eager_identical": graphs_same, "graphs_vs_eager_first_divergence_top2_gaps": graphs_gaps[:16]}
+
+
+def cross_top2(a_results, b_results) -> dict:
+    """At each first divergence, whether each side's token is among the other side's top 2 (the
+    acceptance rule of DESIGN.md 3.2 for a near-tie); both sides were generated with logprobs."""
+    ok = total = 0
+    for a, b in zip(a_results, b_results):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        if ta == tb:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+        total += 1
+        ok += tb[k] in [t for t, _ in a.outputs[0].logprobs[k].top] and \
+            ta[k] in [t for t, _ in b.outputs[0].logprobs[k].top]
+    return {"divergences": total, "each_token_in_the_others_top2": ok}
 
 
 def divergences(reference, other) -> tuple[int, list]:
