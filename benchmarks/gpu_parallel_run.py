@@ -49,7 +49,7 @@ def warm_up(llm, max_rows: int, steps: int) -> None:
 def run_one(args) -> int:
     """One layout at one N, in this process: greedy tokens (at N=8), then the workload."""
     sys.path.insert(0, HERE)
-    from gpu_run import run_workload
+    from gpu_run import prefill_warm_up, run_workload
 
     from lockstep.bench.workload import make_workload
     from lockstep_engine.entrypoints.bench_offline import greedy_requests
@@ -64,11 +64,12 @@ def run_one(args) -> int:
     result = {"tp": tp, "pp": pp, "steps": n, "start_s": time.perf_counter() - started,
               "graphs": llm.engine.runner.graphs is not None}
     log(f"TP={tp} PP={pp} N={n}: engine up in {result['start_s']:.1f}s (graphs: {result['graphs']})")
-    warm_up(llm, args.max_num_seqs, n)
-    llm.engine.core.stats = type(llm.engine.core.stats)()  # the timed run's counters only
     workload = make_workload("sharegpt-synth", args.num_prompts, seed=0,
                              vocab_size=llm.engine.model_config.vocab_size)
     prompts, params = greedy_requests(workload)
+    warm_up(llm, args.max_num_seqs, n)
+    prefill_warm_up(llm, prompts)
+    llm.engine.core.stats = type(llm.engine.core.stats)()  # the timed run's counters only
     result["run"] = run_workload(llm, prompts, params, f"TP={tp} PP={pp} N={n}")
     if n == 8:  # after the workload, whose figures come from the engine's counters
         vocab = llm.engine.model_config.vocab_size

@@ -98,3 +98,14 @@ def test_greedy_match_compares_backends_steps_fusion_and_graphs(gpu_run, tiny):
     # On the CPU in fp32 every variant computes the same numbers (Triton, fusion and graphs are CUDA-only)
     assert result["identical"] == result["triton_n1_vs_n8_identical"] == 64
     assert result["fused_vs_unfused_identical"] == result["graphs_vs_eager_identical"] == 64
+
+
+def test_prefill_warm_up_leaves_the_timed_prompts_uncached(gpu_run, tiny):
+    llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=8, max_num_seqs=64)
+    prompts, params = greedy_requests(make_workload("sharegpt-synth", 4, seed=0, vocab_size=1024))
+    gpu_run.prefill_warm_up(llm, prompts)
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.num_cached_tokens for o in outs] == [0] * 4
+    again = llm.generate([{"prompt_token_ids": prompts[0]}], params[0])
+    assert again[0].num_cached_tokens > 0  # the check can see a hit: the prefix cache is on
