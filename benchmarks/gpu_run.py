@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from lockstep.bench.workload import make_workload
-from lockstep_engine.config import num_scheduler_steps_arg
+from lockstep_engine.config import SCHEDULING_POLICIES, num_scheduler_steps_arg
 from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
@@ -256,66 +256,48 @@ def greedy_match(base: LLM, args) -> dict:
             set_fused_kernels(True)
     if any(isinstance(v, str) for v in results.values()):
         return {"error": {k: v for k, v in results.items() if isinstance(v, str)}}
-    same = total = 0
-    first_gap = None
-    for a, b in zip(results["torch"], results["triton"]):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        total += 1
-        if ta == tb:
-            same += 1
-        elif first_gap is None:
-            k = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
-            top = a.outputs[0].logprobs[k].top
-            first_gap = {"prompt": total - 1, "position": k,
-                         "torch_top2_gap": top[0][1] - top[1][1] if len(top) > 1 else None}
-    n_same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
-                 for a, b in zip(results["triton"], results["triton_n1"]))
-    n_positions = [next((i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
-                         if x != y), None) for a, b in zip(results["triton"], results["triton_n1"])]
-    n_gaps = []
-    for a, k in zip(results["triton_n1"], n_positions):
-        if k is not None:
-            top = a.outputs[0].logprobs[k].top
-            n_gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
-    _, torch_gaps = divergences(results["torch"], results["triton"])
-    fused_same, fused_gaps = divergences(results["triton_unfused"], results["triton"])
-    graphs_same, graphs_gaps = divergences(results["triton"], results["triton_graphs"])
-    return {"prompts": total, "identical": same, "match_rate": same / total, "first_divergence": first_gap,
-            "triton_vs_torch_first_divergence_top2_gaps": torch_gaps[:32],
-            "triton_vs_torch_cross_top2": cross_top2(results["torch"], results["triton"]),
-            "triton_n1_vs_n8_identical": n_same, "n1_vs_n8_first_divergence_top2_gaps": n_gaps[:16],
-            "fused_vs_unfused_identical": fused_same, "fused_vs_unfused_first_divergence_top2_gaps": fused_gaps[:16],
-            "graphs_vs_eager_identical": graphs_same, "graphs_vs_eager_first_divergence_top2_gaps": graphs_gaps[:16]}
+    same, torch_found = first_divergences(results["torch"], results["triton"])
+    n_same, n_found = first_divergences(results["triton_n1"], results["triton"])
+    fused_same, fused_found = first_divergences(results["triton_unfused"], results["triton"])
+    graphs_same, graphs_found = first_divergences(results["triton"], results["triton_graphs"])
+    first = torch_found[0] if torch_found else None
+    total = len(results["torch"])
+    return {"prompts": total, "identical": same, "match_rate": same / total,
+            "first_divergence": first and {"prompt": first["prompt"], "position": first["position"],
+                                           "torch_top2_gap": first["gap"]},
+            "triton_vs_torch_first_divergence_top2_gaps": rounded_gaps(torch_found, 32),
+            "triton_vs_torch_cross_top2": {"divergences": len(torch_found),
+                                           "each_token_in_the_others_top2": sum(d["cross_top2"] for d in torch_found)},
+            "triton_n1_vs_n8_identical": n_same, "n1_vs_n8_first_divergence_top2_gaps": rounded_gaps(n_found, 16),
+            "fused_vs_unfused_identical": fused_same,
+            "fused_vs_unfused_first_divergence_top2_gaps": rounded_gaps(fused_found, 16),
+            "graphs_vs_eager_identical": graphs_same,
+            "graphs_vs_eager_first_divergence_top2_gaps": rounded_gaps(graphs_found, 16)}
 
 
-def cross_top2(a_results, b_results) -> dict:
-    """At each first divergence, whether each side's token is among the other side's top 2 (the
-    acceptance rule of DESIGN.md 3.2 for a near-tie); both sides were generated with logprobs."""
-    ok = total = 0
-    for a, b in zip(a_results, b_results):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        if ta == tb:
-            continue
-        k = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
-        total += 1
-        ok += tb[k] in [t for t, _ in a.outputs[0].logprobs[k].top] and \
-            ta[k] in [t for t, _ in b.outputs[0].logprobs[k].top]
-    return {"divergences": total, "each_token_in_the_others_top2": ok}
-
-
-def divergences(reference, other) -> tuple[int, list]:
-    """(prompts with identical tokens, the reference's top-2 logprob gap at each first divergence);
+def first_divergences(reference, other) -> tuple[int, list[dict]]:
+    """(prompts with identical tokens, and for each prompt whose tokens differ: the prompt, the first
+    position where they differ, the reference's top-2 logprob gap there and, when `other` has logprobs
+    too, whether each side's token is among the other's top 2: DESIGN.md 3.2's near-tie rule).
     `reference` was generated with logprobs."""
-    same, gaps = 0, []
-    for a, b in zip(reference, other):
+    same, found = 0, []
+    for index, (a, b) in enumerate(zip(reference, other)):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         if ta == tb:
             same += 1
             continue
         k = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
         top = a.outputs[0].logprobs[k].top
-        gaps.append(round(top[0][1] - top[1][1], 5) if len(top) > 1 else None)
-    return same, gaps
+        entry = {"prompt": index, "position": k, "gap": top[0][1] - top[1][1] if len(top) > 1 else None}
+        if b.outputs[0].logprobs:
+            entry["cross_top2"] = tb[k] in [t for t, _ in top] and \
+                ta[k] in [t for t, _ in b.outputs[0].logprobs[k].top]
+        found.append(entry)
+    return same, found
+
+
+def rounded_gaps(found: list[dict], limit: int) -> list:
+    return [None if d["gap"] is None else round(d["gap"], 5) for d in found[:limit]]
 
 
 def set_fused_kernels(on: bool) -> None:
@@ -399,7 +381,7 @@ def main() -> int:
     parser.add_argument("--roofline-context", type=int, default=512)
     parser.add_argument("--peer-timeout", type=float, default=600)
     parser.add_argument("--skip", nargs="*", default=[], help="any of: peer match runs roofline profile")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lof"])
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
     parser.add_argument("--extra-runs", nargs="*", default=[], metavar="KEY=VALUE,...",
                         help="more runs, each overriding n (default 8), mbt (max_num_batched_tokens), "
                              "seqs (max_num_seqs) or policy (scheduling_policy), e.g. 'seqs=512' 'n=8,policy=lof'")

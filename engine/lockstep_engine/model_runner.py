@@ -155,6 +155,7 @@ class ModelRunner:
         self.clock = StepClock(self.device)
         self.host_ring = HostRing() if self.device.type == "cuda" else None
         self._own_backend = self.backend
+        self._backends = {self.backend.name: self.backend}
         self._graphs_by_backend: dict[str, object] = {}
         self.graphs = self._decode_graphs()
 
@@ -173,17 +174,12 @@ class ModelRunner:
         """Runs the loaded model with another attention backend ("auto": the runner's own), on the same
         weights and KV cache: engines sharing this runner compare backends without a second copy of
         the model. Graphs captured with one backend are never replayed with another."""
-        if name == "auto":
-            backend = self._own_backend
-        elif name == self.backend.name:
-            return
-        elif name == self._own_backend.name:
-            backend = self._own_backend
-        else:
+        name = self._own_backend.name if name == "auto" else name
+        if name not in self._backends:
             attn = self.model.attention_layers()[0]
-            backend = make_backend(name, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size,
-                                   self.device)
-        self.backend = backend
+            self._backends[name] = make_backend(name, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                self.block_size, self.device)
+        backend = self.backend = self._backends[name]
         for attn in self.model.attention_layers():
             attn.backend = backend
         self.graphs = self._decode_graphs()
@@ -416,8 +412,8 @@ class ModelRunner:
         rows only: one new token per row, every row sampling, nothing that needs the host per step.
         Step 1 of such a window is the decode step the graph holds, from the rows' last tokens."""
         rows = plan.rows
-        if (self.graphs is None or first.sampling is None or len(first.sampling_rows) != len(rows)
-                or first.input_ids.shape[0] != len(rows) or has_guided_rows(rows)):
+        if (self.graphs is None or len(first.sampling_rows) != len(rows) or first.input_ids.shape[0] != len(rows)
+                or has_guided_rows(rows)):
             return None
         n = len(rows)
         state = DecodeState(

@@ -109,3 +109,21 @@ def test_prefill_warm_up_leaves_the_timed_prompts_uncached(gpu_run, tiny):
     assert [o.num_cached_tokens for o in outs] == [0] * 4
     again = llm.generate([{"prompt_token_ids": prompts[0]}], params[0])
     assert again[0].num_cached_tokens > 0  # the check can see a hit: the prefix cache is on
+
+
+def test_first_divergences_report_position_gap_and_the_near_tie_rule(gpu_run):
+    from lockstep.protocol import TokenLogprobs
+
+    def result(tokens, tops):  # a generate() result's fields that the comparison reads
+        logprobs = [TokenLogprobs(t, top[0][1], 1, top) for t, top in zip(tokens, tops)] if tops else []
+        return types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=tokens, logprobs=logprobs)])
+
+    tie = [(5, -0.5), (6, -0.53125)]
+    reference = [result([1, 5], [[(1, -0.1), (2, -3.0)], tie]), result([4, 4], [[(4, -0.2), (9, -2.0)]] * 2)]
+    other = [result([1, 6], [[(1, -0.1), (2, -3.0)], [(6, -0.5), (5, -0.51)]]), result([4, 4], None)]
+    same, found = gpu_run.first_divergences(reference, other)
+    assert same == 1
+    assert found == [{"prompt": 0, "position": 1, "gap": pytest.approx(0.03125), "cross_top2": True}]
+    assert gpu_run.rounded_gaps(found, 16) == [0.03125]
+    _, without_logprobs = gpu_run.first_divergences(reference[:1], [result([1, 6], None)])
+    assert "cross_top2" not in without_logprobs[0]
