@@ -1,16 +1,21 @@
 """ServiceSpec -> the Kubernetes objects that serve it. Pure functions, no API calls.
 
 Per replica group i: a StatefulSet `<name>-g<i>` (one pod per rank slot, all started in parallel,
-`OnDelete` so only the operator replaces pods, and then always the whole group) and a headless
-Service of the same name that gives pod 0 its stable DNS name. Per LLMService: a Service selecting
-the leader pods (what the gateway discovers) and a ConfigMap holding the pod launcher.
+`OnDelete` so only the operator replaces pods, and then always the whole group), a headless
+Service of the same name that gives pod 0 its stable DNS name, and a NetworkPolicy of the same name
+that opens every port of the group's pods to the group's pods only. Per LLMService: a Service
+selecting the leader pods (what the gateway discovers), a ConfigMap holding the pod launcher and
+the model fetcher, a NetworkPolicy opening engine HTTP to the gateway and to monitoring, and the
+group Secret (a random key every rank reads to authenticate the group channel).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +26,12 @@ from lockstep_operator.constants import (
     API_VERSION,
     CACHE_DIR,
     ENGINE_PORT,
+    ENGINE_UID,
+    FETCHED_MODELS_DIR,
+    GROUP_SECRET_DIR,
+    GROUP_SECRET_KEY,
     KIND,
+    LABEL_ENGINE_CLIENT,
     LABEL_GROUP,
     LABEL_MANAGED_BY,
     LABEL_POD_INDEX,
@@ -29,9 +39,11 @@ from lockstep_operator.constants import (
     LABEL_SERVICE,
     LAUNCHER_DIR,
     MANAGED_BY,
+    MODEL_TOKEN_DIR,
     MODELS_DIR,
     RENDEZVOUS_PORT,
 )
+from lockstep_operator.fetcher import FETCHER
 from lockstep_operator.launcher import LAUNCHER
 from lockstep_operator.spec import ServiceSpec
 
@@ -52,6 +64,10 @@ def group_name(name: str, index: int) -> str:
 
 def configmap_name(name: str) -> str:
     return f"{name}-engine"
+
+
+def group_secret_name(name: str) -> str:
+    return f"{name}-group-secret"
 
 
 def common_labels(name: str) -> dict[str, str]:
@@ -95,10 +111,23 @@ def revision(spec: ServiceSpec, namespace: str, config: OperatorConfig) -> str:
     `replicas` does not enter it: scaling never replaces the pods of existing groups.
     """
     template = _pod_template(spec, namespace, 0, config)
-    return digest({"template": template, "pods": spec.pods_per_group, "launcher": LAUNCHER})
+    return digest(
+        {"template": template, "pods": spec.pods_per_group, "launcher": LAUNCHER, "fetcher": FETCHER}
+    )
+
+
+def fetched_model_dir(spec: ServiceSpec) -> str:
+    """One directory per source, so LLMServices sharing a cache claim share downloads."""
+    return f"{FETCHED_MODELS_DIR}/{digest(spec.source, 16)}"
 
 
 def model_arg(spec: ServiceSpec) -> str:
+    if spec.fetched:
+        directory = fetched_model_dir(spec)
+        if spec.source.startswith("hf://"):
+            return directory
+        name = spec.source.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+        return directory if name.endswith((".tar", ".tar.gz", ".tgz")) else f"{directory}/{name}"
     claim = spec.pvc_claim
     if claim is None:
         return spec.source
@@ -140,13 +169,36 @@ def engine_env(spec: ServiceSpec, namespace: str, index: int, config: OperatorCo
         {"name": "LOCKSTEP_RENDEZVOUS_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "LOCKSTEP_GROUP", "value": str(index)},
         {"name": "LOCKSTEP_LEADER_WAIT_SECONDS", "value": str(LEADER_WAIT_SECONDS)},
-        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "LOCKSTEP_GROUP_SECRET_FILE", "value": f"{GROUP_SECRET_DIR}/{GROUP_SECRET_KEY}"},
+        *cache_env(),
     ]
-    return env + [dict(item) for item in spec.env]
+    if spec.api_key_secret is not None:
+        ref = {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}
+        env.append({"name": "LOCKSTEP_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    # spec.engine.env may override the cache variables (LOCKSTEP_* are refused by the spec): one
+    # entry per name, since a StatefulSet applied with duplicate env names is rejected.
+    overridden = {item["name"] for item in spec.env}
+    return [e for e in env if e["name"] not in overridden] + [dict(item) for item in spec.env]
+
+
+def cache_env() -> list[dict[str, str]]:
+    """HOME and the caches of everything in the engine image, inside the writable cache volume."""
+    return [
+        {"name": "HOME", "value": CACHE_DIR},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "LOCKSTEP_CACHE", "value": f"{CACHE_DIR}/lockstep"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/torchinductor"},
+    ]
+
+
+def launch_command() -> list[str]:
+    return ["python3", f"{LAUNCHER_DIR}/launch.py"]
 
 
 def _probe_command() -> list[str]:
-    return ["/bin/sh", f"{LAUNCHER_DIR}/launch.sh", "--probe"]
+    return [*launch_command(), "--probe"]
 
 
 def probes(spec: ServiceSpec) -> dict[str, Any]:
@@ -193,19 +245,98 @@ def container_resources(spec: ServiceSpec) -> dict[str, Any]:
 def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec)}},
-        {"name": "launcher", "configMap": {"name": configmap_name(spec.name), "defaultMode": 0o555}},
+        {"name": "launcher", "configMap": {"name": configmap_name(spec.name), "defaultMode": 0o444}},
         {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        {
+            "name": "group-secret",
+            "secret": {"secretName": group_secret_name(spec.name), "defaultMode": 0o440},
+        },
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "launcher", "mountPath": LAUNCHER_DIR, "readOnly": True},
         {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "group-secret", "mountPath": GROUP_SECRET_DIR, "readOnly": True},
     ]
     claim = spec.pvc_claim
     if claim is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True})
+    if spec.fetched:
+        if spec.model_cache_claim is not None:
+            volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": spec.model_cache_claim}})
+        else:
+            volumes.append({"name": "models", "emptyDir": {}})
+        mounts.append({"name": "models", "mountPath": FETCHED_MODELS_DIR, "readOnly": True})
+        if spec.model_token_secret is not None:
+            secret = spec.model_token_secret
+            volumes.append(
+                {
+                    "name": "model-token",
+                    "secret": {
+                        "secretName": secret.name,
+                        "items": [{"key": secret.key, "path": "token"}],
+                        "defaultMode": 0o440,
+                    },
+                }
+            )
     return volumes, mounts
+
+
+def security_context() -> dict[str, Any]:
+    """Every container: the Pod Security Standard "restricted" profile, and a read-only root."""
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": ENGINE_UID,
+        "runAsGroup": ENGINE_UID,
+        # Secret and cache volumes become readable and writable by the engine's group.
+        "fsGroup": ENGINE_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def fetch_container(spec: ServiceSpec) -> dict[str, Any]:
+    """The init container that puts an hf:// or URL model into the models volume (once per cache)."""
+    env = [
+        {"name": "LOCKSTEP_MODEL_SOURCE", "value": spec.source},
+        {"name": "LOCKSTEP_MODEL_DIR", "value": fetched_model_dir(spec)},
+        *cache_env(),
+    ]
+    mounts = [
+        {"name": "launcher", "mountPath": LAUNCHER_DIR, "readOnly": True},
+        {"name": "models", "mountPath": FETCHED_MODELS_DIR},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if spec.model_endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": spec.model_endpoint})
+    if spec.model_token_secret is not None:
+        env.append({"name": "LOCKSTEP_MODEL_TOKEN_FILE", "value": f"{MODEL_TOKEN_DIR}/token"})
+        mounts.append({"name": "model-token", "mountPath": MODEL_TOKEN_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": "fetch-model",
+        "image": spec.image,
+        "command": ["python3", f"{LAUNCHER_DIR}/fetch.py"],
+        "env": env,
+        "volumeMounts": mounts,
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": security_context(),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
 
 
 _TEMPLATE_POD_FIELDS = (
@@ -226,7 +357,7 @@ def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: Operato
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image,
-        "command": ["/bin/sh", f"{LAUNCHER_DIR}/launch.sh"],
+        "command": launch_command(),
         "args": engine_args(spec),
         "env": engine_env(spec, namespace, index, config),
         "ports": [
@@ -235,11 +366,7 @@ def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: Operato
         ],
         "resources": container_resources(spec),
         "volumeMounts": mounts,
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": security_context(),
         **probes(spec),
     }
     if spec.image_pull_policy:
@@ -251,6 +378,7 @@ def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: Operato
         **group_selector(spec.name, index),
     }
     pod_spec: dict[str, Any] = {
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
         "enableServiceLinks": False,
@@ -258,6 +386,8 @@ def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: Operato
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 30,
     }
+    if spec.fetched:
+        pod_spec["initContainers"] = [fetch_container(spec)]
     pod_spec.update({key: template[key] for key in _TEMPLATE_POD_FIELDS if template.get(key)})
     metadata: dict[str, Any] = {"labels": labels}
     if template.get("annotations"):
@@ -365,11 +495,85 @@ def engine_configmap(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, A
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": _metadata(owner, configmap_name(spec.name), common_labels(spec.name)),
-            "data": {"launch.sh": LAUNCHER, "args": "\n".join(engine_args(spec)) + "\n"},
+            "data": {
+                "launch.py": LAUNCHER,
+                "fetch.py": FETCHER,
+                "args": "\n".join(engine_args(spec)) + "\n",
+            },
         }
     )
 
 
-def service_objects(owner: Mapping[str, Any], spec: ServiceSpec) -> list[dict[str, Any]]:
-    """The per-LLMService objects (the per-group ones are built as groups are created)."""
-    return [engine_configmap(owner, spec), leader_service(owner, spec)]
+def group_secret(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
+    """The group channel's shared key. A new random key on every call: it is only ever created
+    (never applied), so the first one stays for the life of the LLMService."""
+    key = base64.b64encode(secrets.token_bytes(32)).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(owner, group_secret_name(spec.name), common_labels(spec.name)),
+        "data": {GROUP_SECRET_KEY: base64.b64encode(key.encode()).decode()},
+    }
+
+
+def _namespace_peers(namespaces: tuple[str, ...], pods: dict[str, str] | None) -> list[dict[str, Any]]:
+    pod_selector = {"podSelector": {"matchLabels": pods}} if pods else {}
+    if not namespaces:
+        return [{"namespaceSelector": {}, **pod_selector}]
+    selector = {
+        "matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": list(namespaces)}
+        ]
+    }
+    return [{"namespaceSelector": selector, **pod_selector}]
+
+
+def engine_http_policy(owner: Mapping[str, Any], spec: ServiceSpec, config: OperatorConfig) -> dict[str, Any]:
+    """Engine HTTP from the gateway (pods labelled engine-client) and from monitoring namespaces."""
+    peers = _namespace_peers(config.engine_client_namespaces, {LABEL_ENGINE_CLIENT: "true"})
+    if config.monitoring_namespaces:
+        peers += _namespace_peers(config.monitoring_namespaces, None)
+    return _stamp(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(owner, spec.name, common_labels(spec.name)),
+            "spec": {
+                "podSelector": {"matchLabels": {LABEL_SERVICE: spec.name}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}],
+            },
+        }
+    )
+
+
+def group_policy(owner: Mapping[str, Any], spec: ServiceSpec, index: int) -> dict[str, Any]:
+    """Every port of a group's pods to the same group's pods only: the rendezvous port and the
+    ports torch.distributed opens between ranks (gloo/NCCL pick them at run time)."""
+    selector = group_selector(spec.name, index)
+    return _stamp(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(
+                owner, group_name(spec.name, index), {**common_labels(spec.name), **selector}
+            ),
+            "spec": {
+                "podSelector": {"matchLabels": selector},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": {"matchLabels": selector}}]}],
+            },
+        }
+    )
+
+
+def service_objects(
+    owner: Mapping[str, Any], spec: ServiceSpec, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    """The per-LLMService objects applied on every reconcile (the per-group ones are built as
+    groups are created; the group Secret is only ever created)."""
+    objects = [engine_configmap(owner, spec), leader_service(owner, spec)]
+    if config.network_policy:
+        objects.append(engine_http_policy(owner, spec, config))
+    return objects

@@ -19,6 +19,13 @@ class OperatorConfig:
     # Every LLMService is reconciled at least this often, even when no event arrives.
     resync_seconds: float = 60.0
     log_level: str = "INFO"
+    # A NetworkPolicy per LLMService (engine HTTP) and per group (rank-to-rank traffic).
+    network_policy: bool = True
+    # Namespaces whose pods labelled serving.lockstep.dev/engine-client=true may call engine HTTP
+    # (the gateway's); empty means such pods in any namespace.
+    engine_client_namespaces: tuple[str, ...] = ()
+    # Namespaces whose every pod may scrape engine /metrics (Prometheus).
+    monitoring_namespaces: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.engine_image or self.engine_image.endswith(":latest"):

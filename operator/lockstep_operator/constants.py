@@ -19,6 +19,8 @@ LABEL_REVISION = f"{PREFIX}/revision"
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "lockstep-operator"
+# Pods with this label (the chart's gateway) may reach engine HTTP through the NetworkPolicy.
+LABEL_ENGINE_CLIENT = f"{PREFIX}/engine-client"
 
 ANNOTATION_APPLIED = f"{PREFIX}/applied-hash"
 # metadata.generation of a StatefulSet right after the operator applied it: a later generation
@@ -34,4 +36,13 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/lockstep-dev/lockstep:0.1.0"
 DEFAULT_NUM_SCHEDULER_STEPS = 8
 LAUNCHER_DIR = "/etc/lockstep"
 MODELS_DIR = "/models"
+# Fetched models (init container) live here: an emptyDir, or spec.model.cache.claimName.
+FETCHED_MODELS_DIR = f"{MODELS_DIR}/fetched"
+# The one writable place besides /tmp and /dev/shm (the root filesystem is read-only): HOME and
+# every cache (Lockstep's, Hugging Face, Triton, TorchInductor) point inside it.
 CACHE_DIR = "/var/cache/lockstep"
+GROUP_SECRET_DIR = "/var/run/lockstep/group"
+GROUP_SECRET_KEY = "secret"
+MODEL_TOKEN_DIR = "/var/run/lockstep/model-token"
+# Engine pods run as this user and group; the engine image must work as it (files world-readable).
+ENGINE_UID = 65532

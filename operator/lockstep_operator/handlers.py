@@ -43,6 +43,7 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.watching.label_selectors["apps", "v1", "statefulsets"] = managed
     settings.watching.label_selectors["v1", "services"] = managed
     settings.watching.label_selectors["v1", "configmaps"] = managed
+    settings.watching.label_selectors["networking.k8s.io", "v1", "networkpolicies"] = managed
     return settings
 
 
@@ -77,6 +78,11 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
 
     @kopf.on.event("", "v1", "configmaps", labels=managed, registry=registry)
     def configmap_event(type: str | None, labels: dict[str, str], namespace: str, **_: Any) -> None:
+        if type == "DELETED" and LABEL_SERVICE in labels:
+            reconciler.request(namespace, labels[LABEL_SERVICE])
+
+    @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=managed, registry=registry)
+    def networkpolicy_event(type: str | None, labels: dict[str, str], namespace: str, **_: Any) -> None:
         if type == "DELETED" and LABEL_SERVICE in labels:
             reconciler.request(namespace, labels[LABEL_SERVICE])
 

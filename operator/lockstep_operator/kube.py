@@ -32,6 +32,7 @@ class Kube:
         self.core = client.CoreV1Api(self.api_client)
         self.apps = client.AppsV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
+        self.networking = client.NetworkingV1Api(self.api_client)
 
     def _to_dict(self, obj: Any) -> dict[str, Any]:
         return self.api_client.sanitize_for_serialization(obj)
@@ -78,12 +79,34 @@ class Kube:
             for p in self.core.list_namespaced_pod(namespace, label_selector=selector).items
             if any(ref.uid in sts_uids for ref in p.metadata.owner_references or [])
         ]
+        failed_creates = self.core.list_namespaced_event(
+            namespace, field_selector="involvedObject.kind=StatefulSet,reason=FailedCreate"
+        ).items
         return Observed(
             statefulsets=statefulsets,
             services=owned(self.core.list_namespaced_service(namespace, label_selector=selector).items),
             configmaps=owned(self.core.list_namespaced_config_map(namespace, label_selector=selector).items),
+            networkpolicies=owned(
+                self.networking.list_namespaced_network_policy(namespace, label_selector=selector).items
+            ),
             pods=pods,
+            events=[
+                self._to_dict(e)
+                for e in failed_creates
+                if e.involved_object.uid in sts_uids and e.type == "Warning"
+            ],
         )
+
+    def create(self, obj: Mapping[str, Any]) -> None:
+        """Create `obj` unless it exists (the group Secret: its key must never change)."""
+        assert obj["kind"] == "Secret"
+        try:
+            self.core.create_namespaced_secret(obj["metadata"]["namespace"], obj, field_manager=FIELD_MANAGER)
+        except ApiException as error:
+            if error.status != 409:
+                raise
+            return
+        log.info("created Secret %s/%s", obj["metadata"]["namespace"], obj["metadata"]["name"])
 
     def apply(self, obj: Mapping[str, Any]) -> None:
         kind, name, namespace = obj["kind"], obj["metadata"]["name"], obj["metadata"]["namespace"]
@@ -91,6 +114,7 @@ class Kube:
             "StatefulSet": self.apps.patch_namespaced_stateful_set,
             "Service": self.core.patch_namespaced_service,
             "ConfigMap": self.core.patch_namespaced_config_map,
+            "NetworkPolicy": self.networking.patch_namespaced_network_policy,
         }[kind]
         result = patch(name, namespace, obj, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
         if kind == "StatefulSet":
@@ -101,6 +125,7 @@ class Kube:
         remove = {
             "StatefulSet": self.apps.delete_namespaced_stateful_set,
             "Service": self.core.delete_namespaced_service,
+            "NetworkPolicy": self.networking.delete_namespaced_network_policy,
         }[kind]
         try:
             remove(name, namespace, propagation_policy="Background")
@@ -131,6 +156,8 @@ class Kube:
 
     def execute(self, namespace: str, plan: Plan) -> None:
         """Carry out a plan's changes to child objects (status is written separately)."""
+        for obj in plan.create:
+            self.create(obj)
         for obj in plan.apply:
             log.info("apply %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
             self.apply(obj)

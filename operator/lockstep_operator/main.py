@@ -57,6 +57,28 @@ def parse_args(argv: list[str]) -> OperatorConfig:
         help="reconcile every LLMService at least this often (default %(default)s)",
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--network-policy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give every LLMService NetworkPolicies: engine HTTP only from engine clients and "
+        "monitoring, group ports only from the same group (default on)",
+    )
+    parser.add_argument(
+        "--engine-client-namespace",
+        action="append",
+        default=[],
+        dest="engine_client_namespaces",
+        help="pods labelled serving.lockstep.dev/engine-client=true in this namespace may call "
+        "engine HTTP (repeatable; default: such pods in any namespace)",
+    )
+    parser.add_argument(
+        "--monitoring-namespace",
+        action="append",
+        default=[],
+        dest="monitoring_namespaces",
+        help="every pod of this namespace may call engine HTTP, e.g. Prometheus (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         return OperatorConfig(
@@ -68,6 +90,9 @@ def parse_args(argv: list[str]) -> OperatorConfig:
             health_port=args.health_port,
             resync_seconds=args.resync_seconds,
             log_level=args.log_level,
+            network_policy=args.network_policy,
+            engine_client_namespaces=tuple(args.engine_client_namespaces),
+            monitoring_namespaces=tuple(args.monitoring_namespaces),
         )
     except ValueError as error:
         parser.error(str(error))

@@ -18,14 +18,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep_operator import builders
+from lockstep_operator.conditions import invalid_spec_status, merge_conditions, status_conditions
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import (
     ANNOTATION_APPLIED,
     ANNOTATION_APPLIED_GENERATION,
     ANNOTATION_MEMBERS,
     ANNOTATION_RESTARTS,
-    LABEL_GROUP,
     LABEL_REVISION,
+)
+from lockstep_operator.groups import (
+    Group,
+    annotations_of,
+    group_index,
+    group_problem,
+    is_pod_ready,
+    is_terminating,
+    labels_of,
+    lost_member,
+    name_of,
+    recorded_members,
 )
 from lockstep_operator.spec import ServiceSpec, SpecError, parse_spec
 
@@ -37,11 +49,15 @@ class Observed:
     statefulsets: Sequence[Mapping[str, Any]] = ()
     services: Sequence[Mapping[str, Any]] = ()
     configmaps: Sequence[Mapping[str, Any]] = ()
+    networkpolicies: Sequence[Mapping[str, Any]] = ()
     pods: Sequence[Mapping[str, Any]] = ()
+    # Warning events of reason FailedCreate on its StatefulSets: why the controller made no pod.
+    events: Sequence[Mapping[str, Any]] = ()
 
 
 @dataclass
 class Plan:
+    create: list[dict[str, Any]] = field(default_factory=list)  # created when absent, never changed
     apply: list[dict[str, Any]] = field(default_factory=list)  # server-side apply, in order
     delete: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
     delete_pods: list[tuple[str, str]] = field(default_factory=list)  # (name, uid precondition)
@@ -52,191 +68,28 @@ class Plan:
     group_updates: int = 0
 
 
-@dataclass
-class Group:
-    index: int
-    statefulset: Mapping[str, Any] | None
-    pods: list[Mapping[str, Any]]  # live (not terminating) pods
-    state: str = ""
-    ready: bool = False
-    updated: bool = False
-    restarts: int = 0
-
-
-# --- pod and object facts -------------------------------------------------------------------
-
-
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    return obj.get("metadata", {}).get("labels") or {}
-
-
-def _annotations(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    return obj.get("metadata", {}).get("annotations") or {}
-
-
-def _name(obj: Mapping[str, Any]) -> str:
-    return obj["metadata"]["name"]
-
-
-def _group_index(obj: Mapping[str, Any]) -> int | None:
-    value = _labels(obj).get(LABEL_GROUP, "")
-    return int(value) if value.isdigit() else None
-
-
-def is_terminating(pod: Mapping[str, Any]) -> bool:
-    return bool(pod["metadata"].get("deletionTimestamp"))
-
-
-def is_pod_ready(pod: Mapping[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
-def pod_restart_count(pod: Mapping[str, Any]) -> int:
-    status = pod.get("status") or {}
-    statuses = (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
-    return sum(int(s.get("restartCount") or 0) for s in statuses)
-
-
-def recorded_members(statefulset: Mapping[str, Any]) -> set[str]:
-    value = _annotations(statefulset).get(ANNOTATION_MEMBERS, "")
-    return {uid for uid in value.split(",") if uid}
-
-
-def lost_member(group: Group) -> str | None:
-    """Why the group can no longer run as one, or None."""
-    for pod in group.pods:
-        if (pod.get("status") or {}).get("phase") == "Failed":
-            return f"pod {_name(pod)} failed"
-        if pod_restart_count(pod) > 0:
-            return f"pod {_name(pod)} restarted"
-    members = recorded_members(group.statefulset or {})
-    if not members:
-        return None
-    replaced = [_name(p) for p in group.pods if p["metadata"]["uid"] not in members]
-    if replaced:
-        return f"pod {replaced[0]} was replaced"
-    lost = len(members - {pod["metadata"]["uid"] for pod in group.pods})
-    if lost:
-        return f"{lost} of its pods {'was' if lost == 1 else 'were'} deleted"
-    return None
-
-
-# --- conditions -----------------------------------------------------------------------------
-
-
-def _condition(type_: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
-    return {
-        "type": type_,
-        "status": "True" if ok else "False",
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-    }
-
-
-def merge_conditions(
-    new: list[dict[str, Any]], old: Sequence[Mapping[str, Any]], now: str
-) -> list[dict[str, Any]]:
-    """Keep lastTransitionTime when a condition's status did not change."""
-    previous = {c.get("type"): c for c in old or ()}
-    merged = []
-    for condition in new:
-        before = previous.get(condition["type"])
-        unchanged = before is not None and before.get("status") == condition["status"]
-        stamp = before.get("lastTransitionTime") if unchanged and before else None
-        merged.append({**condition, "lastTransitionTime": stamp or now})
-    return merged
-
-
-def _status_conditions(
-    spec: ServiceSpec, groups: list[Group], existing: int, generation: int
-) -> list[dict[str, Any]]:
-    desired = spec.replicas
-    ready = sum(g.ready for g in groups)
-    updated = sum(g.updated for g in groups)
-    restarting = [g for g in groups if g.state == "Restarting"]
-    counts = f"{ready} of {desired} groups ready, {updated} updated"
-    if desired == 0:
-        ready_c = _condition("Ready", existing == 0, "ScaledToZero", "spec.replicas is 0", generation)
-        available = _condition("Available", False, "ScaledToZero", "spec.replicas is 0", generation)
-    else:
-        all_ready = ready == desired and updated == desired and existing == desired
-        ready_c = _condition(
-            "Ready", all_ready, "AllGroupsReady" if all_ready else "GroupsNotReady", counts, generation
-        )
-        available = _condition(
-            "Available", ready > 0, "GroupsAvailable" if ready else "NoGroupReady", counts, generation
-        )
-    if existing != desired:
-        progressing = _condition(
-            "Progressing", True, "Scaling", f"{existing} groups, scaling to {desired}", generation
-        )
-    elif updated < desired:
-        progressing = _condition(
-            "Progressing", True, "RollingUpdate", f"{updated} of {desired} groups updated", generation
-        )
-    elif ready < desired:
-        progressing = _condition("Progressing", True, "GroupsStarting", counts, generation)
-    else:
-        progressing = _condition("Progressing", False, "Complete", counts, generation)
-    if restarting:
-        message = "; ".join(f"group {g.index} restarting" for g in restarting)
-        degraded = _condition("Degraded", True, "GroupRestarting", message, generation)
-    else:
-        degraded = _condition("Degraded", False, "AsExpected", "", generation)
-    return [ready_c, available, progressing, degraded]
-
-
-def invalid_spec_status(owner: Mapping[str, Any], error: SpecError, now: str) -> dict[str, Any]:
-    generation = owner["metadata"].get("generation", 0)
-    old = owner.get("status") or {}
-    message = str(error)
-    conditions = [
-        _condition("Ready", False, "InvalidSpec", message, generation),
-        _condition(
-            "Available",
-            bool(old.get("readyReplicas")),
-            "InvalidSpec",
-            "existing groups are left as they are until the spec is fixed",
-            generation,
-        ),
-        _condition("Progressing", False, "InvalidSpec", message, generation),
-        _condition("Degraded", True, "InvalidSpec", message, generation),
-    ]
-    return {
-        **old,
-        "observedGeneration": generation,
-        "conditions": merge_conditions(conditions, old.get("conditions", []), now),
-    }
-
-
-def error_status(owner: Mapping[str, Any], message: str, now: str) -> dict[str, Any]:
-    """Status after a reconcile failed: the rest of the last status stays, Degraded says why."""
-    old = owner.get("status") or {}
-    generation = owner["metadata"].get("generation", 0)
-    conditions = [c for c in old.get("conditions") or [] if c.get("type") != "Degraded"]
-    conditions.append(_condition("Degraded", True, "ReconcileError", message, generation))
-    return {**old, "conditions": merge_conditions(conditions, old.get("conditions", []), now)}
-
-
-# --- the plan -------------------------------------------------------------------------------
+# --- the plan: one named step per rule -----------------------------------------------------
 
 
 def _needs_apply(desired: Mapping[str, Any], current: Mapping[str, Any] | None) -> bool:
     if current is None:
         return True
-    if _annotations(current).get(ANNOTATION_APPLIED) != _annotations(desired)[ANNOTATION_APPLIED]:
+    if annotations_of(current).get(ANNOTATION_APPLIED) != annotations_of(desired)[ANNOTATION_APPLIED]:
         return True
-    applied_generation = _annotations(current).get(ANNOTATION_APPLIED_GENERATION)
+    applied_generation = annotations_of(current).get(ANNOTATION_APPLIED_GENERATION)
     return applied_generation is not None and applied_generation != str(current["metadata"].get("generation"))
 
 
+def _apply_if_changed(plan: Plan, desired: dict[str, Any], current: Mapping[str, Any] | None) -> None:
+    if _needs_apply(desired, current):
+        plan.apply.append(desired)
+
+
 def _group_view(group: Group, spec: ServiceSpec, target: str) -> None:
-    sts_revision = _labels(group.statefulset or {}).get(LABEL_REVISION)
-    pods_consistent = all(_labels(p).get(LABEL_REVISION) == sts_revision for p in group.pods)
+    sts_revision = labels_of(group.statefulset or {}).get(LABEL_REVISION)
+    pods_consistent = all(labels_of(p).get(LABEL_REVISION) == sts_revision for p in group.pods)
     complete = len(group.pods) == spec.pods_per_group
-    group.restarts = int(_annotations(group.statefulset or {}).get(ANNOTATION_RESTARTS, "0") or 0)
+    group.restarts = int(annotations_of(group.statefulset or {}).get(ANNOTATION_RESTARTS, "0") or 0)
     group.updated = sts_revision == target and pods_consistent
     group.ready = complete and pods_consistent and all(is_pod_ready(p) for p in group.pods)
     group.state = "Ready" if group.ready else "Starting"
@@ -245,126 +98,161 @@ def _group_view(group: Group, spec: ServiceSpec, target: str) -> None:
 def _replace_pods(plan: Plan, group: Group, annotations: dict[str, str]) -> None:
     """Delete every live pod of the group (the StatefulSet recreates them together)."""
     assert group.statefulset is not None
-    plan.delete_pods += [(_name(p), p["metadata"]["uid"]) for p in group.pods]
-    plan.annotate.append((_name(group.statefulset), annotations))
+    plan.delete_pods += [(name_of(p), p["metadata"]["uid"]) for p in group.pods]
+    plan.annotate.append((name_of(group.statefulset), annotations))
     group.pods = []
     group.ready = False
 
 
-def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: OperatorConfig, now: str) -> Plan:
-    """Everything one reconcile of `owner` (an LLMService object) should do."""
-    meta = owner["metadata"]
-    try:
-        spec = parse_spec(meta["name"], owner.get("spec") or {}, default_image=config.engine_image)
-    except SpecError as error:
-        status = invalid_spec_status(owner, error, now)
-        ready_before = next(
-            (c for c in (owner.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {}
-        )
-        reported = ready_before.get("reason") == "InvalidSpec" and ready_before.get("message") == str(error)
-        return Plan(status=status, events=[] if reported else [("Warning", "InvalidSpec", str(error))])
+@dataclass
+class _Context:
+    """What every step of one reconcile reads."""
 
-    plan = Plan()
-    namespace = meta["namespace"]
-    target = builders.revision(spec, namespace, config)
+    owner: Mapping[str, Any]
+    spec: ServiceSpec
+    config: OperatorConfig
+    target: str  # the revision every group should run
+    services: dict[str, Mapping[str, Any]]
+    policies: dict[str, Mapping[str, Any]]
+    statefulsets: dict[int, Mapping[str, Any]]
 
-    services = {_name(s): s for s in observed.services}
-    configmaps = {_name(c): c for c in observed.configmaps}
-    for obj in builders.service_objects(owner, spec):
-        pool = configmaps if obj["kind"] == "ConfigMap" else services
-        if _needs_apply(obj, pool.get(_name(obj))):
-            plan.apply.append(obj)
 
-    statefulsets: dict[int, Mapping[str, Any]] = {}
-    for sts in observed.statefulsets:
-        index = _group_index(sts)
+def _invalid_spec_plan(owner: Mapping[str, Any], error: SpecError, now: str) -> Plan:
+    """Report the spec error once (as an event) and in status; touch nothing that runs."""
+    ready_before = next(
+        (c for c in (owner.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {}
+    )
+    reported = ready_before.get("reason") == "InvalidSpec" and ready_before.get("message") == str(error)
+    return Plan(
+        status=invalid_spec_status(owner, error, now),
+        events=[] if reported else [("Warning", "InvalidSpec", str(error))],
+    )
+
+
+def _by_group(objects: Sequence[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
+    result: dict[int, list[Mapping[str, Any]]] = {}
+    for obj in objects:
+        index = group_index(obj)
         if index is not None:
-            statefulsets[index] = sts
-    pods_by_group: dict[int, list[Mapping[str, Any]]] = {}
-    for pod in observed.pods:
-        index = _group_index(pod)
-        if index is not None and not is_terminating(pod):
-            pods_by_group.setdefault(index, []).append(pod)
+            result.setdefault(index, []).append(obj)
+    return result
 
-    # Scale down: whole groups above spec.replicas go, highest first; their pods go with them (GC).
-    for index in sorted(statefulsets, reverse=True):
-        if index >= spec.replicas:
-            plan.delete.append(("StatefulSet", _name(statefulsets[index])))
-    for name, svc in services.items():
-        index = _group_index(svc)
-        if index is not None and index >= spec.replicas:
+
+def _apply_service_objects(plan: Plan, ctx: _Context, observed: Observed) -> None:
+    """The ConfigMap, the leader Service, the HTTP NetworkPolicy; the group Secret if absent."""
+    plan.create.append(builders.group_secret(ctx.owner, ctx.spec))
+    configmaps = {name_of(c): c for c in observed.configmaps}
+    pools = {"ConfigMap": configmaps, "Service": ctx.services, "NetworkPolicy": ctx.policies}
+    for obj in builders.service_objects(ctx.owner, ctx.spec, ctx.config):
+        _apply_if_changed(plan, obj, pools[obj["kind"]].get(name_of(obj)))
+
+
+def _delete_unwanted(plan: Plan, ctx: _Context) -> None:
+    """Scale down: whole groups above spec.replicas go, highest first (their pods go with them,
+    by garbage collection), with their Services and NetworkPolicies; and every NetworkPolicy
+    once policies are turned off."""
+    replicas = ctx.spec.replicas
+    for index in sorted(ctx.statefulsets, reverse=True):
+        if index >= replicas:
+            plan.delete.append(("StatefulSet", name_of(ctx.statefulsets[index])))
+    for name, svc in ctx.services.items():
+        index = group_index(svc)
+        if index is not None and index >= replicas:
             plan.delete.append(("Service", name))
+    for name, policy in ctx.policies.items():
+        index = group_index(policy)
+        if not ctx.config.network_policy or (index is not None and index >= replicas):
+            plan.delete.append(("NetworkPolicy", name))
 
-    groups = [
-        Group(i, statefulsets.get(i), sorted(pods_by_group.get(i, []), key=_name))
-        for i in range(spec.replicas)
-    ]
-    for group in groups:
-        desired_svc = builders.group_service(owner, spec, group.index)
-        if _needs_apply(desired_svc, services.get(_name(desired_svc))):
-            plan.apply.append(desired_svc)
-        if group.statefulset is None:
-            plan.apply.append(builders.group_statefulset(owner, spec, group.index, config))
-            group.state = "Creating"
-            continue
-        _group_view(group, spec, target)
-        reason = lost_member(group)
-        if reason is not None:
-            group.restarts += 1
-            plan.events.append(("Warning", "GroupRestart", f"restarting group {group.index}: {reason}"))
-            plan.group_restarts += 1
-            _replace_pods(plan, group, {ANNOTATION_MEMBERS: "", ANNOTATION_RESTARTS: str(group.restarts)})
-            group.state = "Restarting"
-            continue
-        sts_revision = _labels(group.statefulset).get(LABEL_REVISION)
-        if sts_revision == target and not group.updated and group.pods:
-            # Pods made from the previous template after the update (the StatefulSet controller
-            # had not seen it yet): replace them too, the group must run one revision.
-            _replace_pods(plan, group, {ANNOTATION_MEMBERS: ""})
-            group.state = "Updating"
-            continue
-        if sts_revision == target:
-            desired_sts = builders.group_statefulset(owner, spec, group.index, config)
-            if (
-                _needs_apply(desired_sts, group.statefulset)
-                or group.statefulset["spec"]["replicas"] != spec.pods_per_group
-            ):
-                plan.apply.append(desired_sts)  # same revision: pods are not touched
-        if (
-            sts_revision == target
-            and not recorded_members(group.statefulset)
-            and len(group.pods) == spec.pods_per_group
-        ):
-            plan.annotate.append(
-                (
-                    _name(group.statefulset),
-                    {ANNOTATION_MEMBERS: ",".join(sorted(p["metadata"]["uid"] for p in group.pods))},
-                )
-            )
-        if sts_revision != target:
-            group.state = "Outdated"
 
-    # Rolling update: outdated groups that are down anyway go now; an available one only when
-    # every other group is available, so at most one group is out of service for the update.
-    outdated = [g for g in groups if g.state == "Outdated"]
-    all_available = all(g.ready for g in groups)
-    budget = 1 if all_available else 0
-    for group in outdated:
+def _restart_if_member_lost(plan: Plan, group: Group) -> bool:
+    """A TP/PP group cannot survive a lost rank: replace every pod. True when it did."""
+    reason = lost_member(group)
+    if reason is None:
+        return False
+    group.restarts += 1
+    plan.events.append(("Warning", "GroupRestart", f"restarting group {group.index}: {reason}"))
+    plan.group_restarts += 1
+    _replace_pods(plan, group, {ANNOTATION_MEMBERS: "", ANNOTATION_RESTARTS: str(group.restarts)})
+    group.state = "Restarting"
+    return True
+
+
+def _replace_stragglers(plan: Plan, group: Group, sts_revision: str | None, ctx: _Context) -> bool:
+    """Pods made from the previous template after the update (the StatefulSet controller had not
+    seen it yet) are replaced too: the group must run one revision. True when it did."""
+    if sts_revision != ctx.target or group.updated or not group.pods:
+        return False
+    _replace_pods(plan, group, {ANNOTATION_MEMBERS: ""})
+    group.state = "Updating"
+    return True
+
+
+def _record_members(plan: Plan, group: Group, ctx: _Context) -> None:
+    """Once a current group is complete, its pod UIDs are recorded: a mismatch later is a loss."""
+    assert group.statefulset is not None
+    if recorded_members(group.statefulset) or len(group.pods) != ctx.spec.pods_per_group:
+        return
+    uids = ",".join(sorted(p["metadata"]["uid"] for p in group.pods))
+    plan.annotate.append((name_of(group.statefulset), {ANNOTATION_MEMBERS: uids}))
+
+
+def _reconcile_group(plan: Plan, group: Group, ctx: _Context, events: Sequence[Mapping[str, Any]]) -> None:
+    """Create a missing group, restart a broken one, keep a current one applied; mark an
+    outdated one for the rolling update."""
+    owner, spec = ctx.owner, ctx.spec
+    service = builders.group_service(owner, spec, group.index)
+    _apply_if_changed(plan, service, ctx.services.get(name_of(service)))
+    if ctx.config.network_policy:
+        policy = builders.group_policy(owner, spec, group.index)
+        _apply_if_changed(plan, policy, ctx.policies.get(name_of(policy)))
+    if group.statefulset is None:
+        plan.apply.append(builders.group_statefulset(owner, spec, group.index, ctx.config))
+        group.state = "Creating"
+        return
+    _group_view(group, spec, ctx.target)
+    if _restart_if_member_lost(plan, group):
+        return
+    sts_revision = labels_of(group.statefulset).get(LABEL_REVISION)
+    if _replace_stragglers(plan, group, sts_revision, ctx):
+        return
+    group.problem = group_problem(group, spec, events)
+    if sts_revision != ctx.target:
+        group.state = "Outdated"
+        return
+    desired = builders.group_statefulset(owner, spec, group.index, ctx.config)
+    if _needs_apply(desired, group.statefulset) or group.statefulset["spec"]["replicas"] != spec.pods_per_group:
+        plan.apply.append(desired)  # same revision: pods are not touched
+    _record_members(plan, group, ctx)
+
+
+def _roll_outdated(plan: Plan, groups: list[Group], ctx: _Context) -> None:
+    """Outdated groups that are down anyway go now; an available one only when every other
+    group is available, so at most one group is out of service for the update."""
+    budget = 1 if all(g.ready for g in groups) else 0
+    for group in (g for g in groups if g.state == "Outdated"):
         if group.ready:
             if budget == 0:
                 continue
             budget -= 1
-        plan.apply.append(builders.group_statefulset(owner, spec, group.index, config))
+        plan.apply.append(builders.group_statefulset(ctx.owner, ctx.spec, group.index, ctx.config))
         _replace_pods(plan, group, {ANNOTATION_MEMBERS: ""})
         group.state = "Updating"
+        group.problem = None
         plan.group_updates += 1
-        plan.events.append(("Normal", "GroupUpdate", f"replacing group {group.index} with revision {target}"))
+        plan.events.append(
+            ("Normal", "GroupUpdate", f"replacing group {group.index} with revision {ctx.target}")
+        )
 
+
+def _status(ctx: _Context, groups: list[Group], now: str) -> dict[str, Any]:
+    owner, spec = ctx.owner, ctx.spec
+    generation = owner["metadata"].get("generation", 0)
     old = owner.get("status") or {}
-    conditions = _status_conditions(spec, groups, len(statefulsets), meta.get("generation", 0))
-    plan.status = {
-        "observedGeneration": meta.get("generation", 0),
-        "replicas": len(statefulsets),
+    conditions = status_conditions(spec, groups, len(ctx.statefulsets), generation)
+    return {
+        "observedGeneration": generation,
+        "replicas": len(ctx.statefulsets),
         "readyReplicas": sum(g.ready for g in groups),
         "updatedReplicas": sum(g.updated for g in groups),
         "selector": builders.leader_selector_string(spec.name),
@@ -380,21 +268,38 @@ def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: Operato
                 "readyPods": sum(is_pod_ready(p) for p in g.pods),
                 "updated": g.updated,
                 "restarts": g.restarts,
+                **({"message": g.problem[1]} if g.problem else {}),
             }
             for g in groups
         ],
     }
+
+
+def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: OperatorConfig, now: str) -> Plan:
+    """Everything one reconcile of `owner` (an LLMService object) should do."""
+    meta = owner["metadata"]
+    try:
+        spec = parse_spec(meta["name"], owner.get("spec") or {}, default_image=config.engine_image)
+    except SpecError as error:
+        return _invalid_spec_plan(owner, error, now)
+    ctx = _Context(
+        owner=owner,
+        spec=spec,
+        config=config,
+        target=builders.revision(spec, meta["namespace"], config),
+        services={name_of(s): s for s in observed.services},
+        policies={name_of(p): p for p in observed.networkpolicies},
+        statefulsets={i: objs[0] for i, objs in _by_group(observed.statefulsets).items()},
+    )
+    plan = Plan()
+    _apply_service_objects(plan, ctx, observed)
+    _delete_unwanted(plan, ctx)
+    pods = _by_group([p for p in observed.pods if not is_terminating(p)])
+    groups = [
+        Group(i, ctx.statefulsets.get(i), sorted(pods.get(i, []), key=name_of)) for i in range(spec.replicas)
+    ]
+    for group in groups:
+        _reconcile_group(plan, group, ctx, observed.events)
+    _roll_outdated(plan, groups, ctx)
+    plan.status = _status(ctx, groups, now)
     return plan
-
-
-def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
-    """Whether `new` says anything `old` does not (transition times aside)."""
-
-    def strip(status: Mapping[str, Any] | None) -> dict[str, Any]:
-        status = dict(status or {})
-        status["conditions"] = [
-            {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions") or []
-        ]
-        return status
-
-    return strip(old) != strip(new)

@@ -21,7 +21,8 @@ from lockstep_operator import metrics
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import API_VERSION, KIND, MANAGED_BY
 from lockstep_operator.kube import Kube
-from lockstep_operator.plan import error_status, plan_reconcile, status_changed
+from lockstep_operator.conditions import error_status, status_changed
+from lockstep_operator.plan import plan_reconcile
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,11 @@ OWNED_FLAGS = (
 )
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _PVC_RE = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/[^/].*)?$")
+# hf://<org>/<repo>[@<revision>]: fetched from the Hugging Face hub (or a mirror) by an init container.
+_HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][-._A-Za-z0-9]*/[A-Za-z0-9][-._A-Za-z0-9]*)(@(?P<revision>[-._/A-Za-z0-9]+))?$")
+_URL_RE = re.compile(r"^https?://[^/\s]+/\S+$")
+_ENDPOINT_RE = re.compile(r"^https?://[^/\s]+(/\S*)?$")
+_SECRET_NAME_RE = re.compile(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
 MAX_NAME_LENGTH = 40
 MAX_RANKS_PER_GROUP = 256
 
@@ -38,6 +43,14 @@ class SpecError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+@dataclass(frozen=True)
+class SecretKey:
+    """One key of a Secret in the LLMService's namespace."""
+
+    name: str
+    key: str
 
 
 @dataclass(frozen=True)
@@ -60,14 +73,16 @@ class ServiceSpec:
     env: tuple[Mapping[str, Any], ...]
     template: Mapping[str, Any]
     startup_timeout_seconds: int
+    ranks_per_pod: int = 1
+    # Where an hf:// or URL source comes from and goes to (unused by other sources).
+    model_endpoint: str | None = None
+    model_token_secret: SecretKey | None = None
+    model_cache_claim: str | None = None
+    api_key_secret: SecretKey | None = None
 
     @property
     def world_size(self) -> int:
         return self.tensor * self.pipeline
-
-    @property
-    def ranks_per_pod(self) -> int:
-        return max(self.gpus_per_pod, 1)
 
     @property
     def pods_per_group(self) -> int:
@@ -82,6 +97,12 @@ class ServiceSpec:
     def pvc_claim(self) -> str | None:
         match = _PVC_RE.match(self.source)
         return match.group("claim") if match else None
+
+    @property
+    def fetched(self) -> bool:
+        """Whether an init container fetches the model before the engine starts."""
+        return self.source.startswith(("hf://", "http://", "https://"))
+
 
 
 def _int(
@@ -116,13 +137,40 @@ def _check_source(source: Any) -> str:
     if not isinstance(source, str) or not source:
         raise SpecError(
             "spec.model.source",
-            f"is required (smollm2, random:<shape>, /path or pvc://claim/path), got {source!r}",
+            "is required (smollm2, random:<shape>, /path, pvc://claim/path, hf://org/repo[@revision] "
+            f"or an http(s):// URL), got {source!r}",
         )
     if source.startswith("pvc://") and not _PVC_RE.match(source):
         raise SpecError(
             "spec.model.source", f"must look like pvc://<claim-name>/<path inside the claim>, got {source!r}"
         )
+    if source.startswith("hf://") and not _HF_RE.match(source):
+        raise SpecError(
+            "spec.model.source", f"must look like hf://<org>/<repo> or hf://<org>/<repo>@<revision>, got {source!r}"
+        )
+    if source.startswith(("http://", "https://")) and not _URL_RE.match(source):
+        raise SpecError("spec.model.source", f"must be a URL with a host and a path, got {source!r}")
     return source
+
+
+def _check_secret_key(raw: Any, field: str, default_key: str) -> SecretKey | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not _SECRET_NAME_RE.match(str(raw.get("name") or "")):
+        raise SpecError(field, f"must be {{name: <Secret name>, key: <key>}} naming a Secret, got {raw!r}")
+    return SecretKey(name=raw["name"], key=str(raw.get("key") or default_key))
+
+
+def _check_ranks_per_pod(parallelism: Mapping[str, Any], gpus_per_pod: int) -> int:
+    ranks = _int(parallelism, "ranksPerPod", "spec.parallelism.ranksPerPod", None, 1, 16)
+    if ranks is None:
+        return max(gpus_per_pod, 1)
+    if gpus_per_pod and ranks != gpus_per_pod:
+        raise SpecError(
+            "spec.parallelism.ranksPerPod",
+            f"must equal gpusPerPod ({gpus_per_pod}) when the pod has GPUs (one rank per GPU), got {ranks}",
+        )
+    return ranks
 
 
 def _check_extra_args(raw: Any) -> tuple[str, ...]:
@@ -186,6 +234,12 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
             "spec.parallelism.gpusPerPod",
             f"tensor * pipeline ({world_size}) must be divisible by gpusPerPod ({gpus_per_pod})",
         )
+    ranks_per_pod = _check_ranks_per_pod(parallelism, gpus_per_pod)
+    if world_size % ranks_per_pod:
+        raise SpecError(
+            "spec.parallelism.ranksPerPod",
+            f"tensor * pipeline ({world_size}) must be divisible by ranksPerPod ({ranks_per_pod})",
+        )
     if world_size > MAX_RANKS_PER_GROUP:
         raise SpecError(
             "spec.parallelism", f"tensor * pipeline ({world_size}) must be at most {MAX_RANKS_PER_GROUP}"
@@ -195,9 +249,19 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
     startup_timeout = _int(startup, "timeoutSeconds", "spec.startup.timeoutSeconds", 1800, 30, 86400)
     assert replicas is not None and startup_timeout is not None
     shm_size = engine.get("shmSize")
+    source = _check_source(model.get("source"))
+    endpoint = model.get("endpoint")
+    if endpoint is not None and not _ENDPOINT_RE.match(str(endpoint)):
+        raise SpecError("spec.model.endpoint", f"must be an http(s):// URL of a Hugging Face hub mirror, got {endpoint!r}")
+    cache = _section(model, "cache")
+    cache_claim = cache.get("claimName")
+    if cache_claim is not None and not _NAME_RE.match(str(cache_claim)):
+        raise SpecError(
+            "spec.model.cache.claimName", f"must name a PersistentVolumeClaim (a DNS label), got {cache_claim!r}"
+        )
     return ServiceSpec(
         name=name,
-        source=_check_source(model.get("source")),
+        source=source,
         served_name=model.get("servedName") or name,
         num_scheduler_steps=steps,
         tensor=tensor,
@@ -214,4 +278,9 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
         env=_check_env(engine.get("env")),
         template=dict(raw.get("template") or {}),
         startup_timeout_seconds=startup_timeout,
+        ranks_per_pod=ranks_per_pod,
+        model_endpoint=model.get("endpoint") or None,
+        model_token_secret=_check_secret_key(model.get("tokenSecret"), "spec.model.tokenSecret", "token"),
+        model_cache_claim=cache_claim,
+        api_key_secret=_check_secret_key(engine.get("apiKeySecret"), "spec.engine.apiKeySecret", "api-key"),
     )

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
-from k8s_harness import CHART, ControlPlane, binaries, free_port, kubeconfig, kubectl_binary, wait_for
+from k8s_harness import CHART, RELEASE_VALUES, ControlPlane, binaries, free_port, kubeconfig, kubectl_binary, wait_for
 
 RELEASE = "lockstep"
 RELEASE_NAMESPACE = "lockstep-system"
 TEST_ENGINE_IMAGE = "registry.invalid/lockstep:0.1.0-test"
+PSS_ENFORCE = "pod-security.kubernetes.io/enforce"
 
 
 class Kubectl:
@@ -81,13 +82,17 @@ def kube(control_plane: ControlPlane):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def release(control_plane: ControlPlane, kubectl: Kubectl) -> dict[str, Any]:
-    """The chart installed by Helm's Go SDK: the CRD from crds/, RBAC, the operator and gateway Deployments."""
+    """The chart installed by Helm's Go SDK: the CRD from crds/, RBAC, the operator and gateway Deployments.
+
+    Cluster-wide (each test makes its own namespace), into a namespace that enforces the
+    "restricted" Pod Security Standard, so the API server admits the chart's pods only if they pass.
+    """
     import helm_python as helm
 
+    kubectl.run("create", "namespace", RELEASE_NAMESPACE)
+    kubectl.run("label", "namespace", RELEASE_NAMESPACE, f"{PSS_ENFORCE}=restricted")
     with helm.Config(kubeconfig_path=str(control_plane.kubeconfig), namespace=RELEASE_NAMESPACE) as cfg:
-        installed = cfg.install(
-            str(CHART), RELEASE, {"dashboards": {"enabled": True}}, create_namespace=True, timeout=120
-        )
+        installed = cfg.install(str(CHART), RELEASE, RELEASE_VALUES, timeout=120)
     kubectl.run(
         "wait", "--for=condition=Established", "crd/llmservices.serving.lockstep.dev", "--timeout=60s"
     )

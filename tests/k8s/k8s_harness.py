@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "hack" / "kube" / "build.sh"
 CHART = REPO / "charts" / "lockstep"
+# The test release: cluster-wide, because every test makes its own namespace.
+RELEASE_VALUES = {"dashboards": {"enabled": True}, "operator": {"clusterWide": True}}
 CRD_FILE = CHART / "crds" / "llmservices.serving.lockstep.dev.yaml"
 EXAMPLE = CHART / "examples" / "llmservice.yaml"
 T = TypeVar("T")

@@ -12,6 +12,7 @@ import yaml
 from k8s_harness import CHART, EXAMPLE, crd_schema
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.spec import parse_spec
+from pod_security import pod_specs, violations
 
 K8S_VERSION = "1.37.0"
 # Kinds whose schemas come from CRDs, not from Kubernetes itself.
@@ -49,8 +50,15 @@ def test_helm_lint_reports_no_warnings_or_errors():
             "gateway": {"discoveryNamespaces": ["team-a", "team-b"]},
         },
         {"gateway": {"enabled": False}, "dashboards": {"enabled": False}},
+        {"operator": {"clusterWide": True}, "networkPolicy": {"enabled": False}},
+        {
+            "engineApiKey": {"secretName": "engine-key", "key": "k"},
+            "example": {"enabled": True},
+            "networkPolicy": {"gatewayFrom": [{"namespaceSelector": {}}]},
+            "gateway": {"image": {"digest": "sha256:" + "a" * 64}},
+        },
     ],
-    ids=["defaults", "everything-on", "namespaced", "operator-only"],
+    ids=["defaults", "everything-on", "namespaced", "operator-only", "cluster-wide", "api-key-digest"],
 )
 def test_every_rendered_manifest_validates_against_kubernetes_schemas(values):
     docs = render(values)
@@ -61,7 +69,7 @@ def test_every_rendered_manifest_validates_against_kubernetes_schemas(values):
 
 
 def test_images_are_pinned_and_pods_run_as_non_root():
-    for doc in render():
+    for doc in render({"example": {"enabled": True}}):
         if doc["kind"] == "Deployment":
             pod = doc["spec"]["template"]["spec"]
             assert pod["securityContext"]["runAsNonRoot"] is True
@@ -85,8 +93,29 @@ def test_operator_gets_the_engine_image_and_watches_what_it_is_allowed_to():
     assert not [d for d in docs if d["kind"] == "ClusterRole"]
 
 
-def test_operator_rbac_is_least_privilege():
-    (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
+def test_operator_rbac_is_a_role_in_the_release_namespace_by_default():
+    docs = render()
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "lockstep-operator"]
+    assert role["metadata"]["namespace"] == "lockstep-system"
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-operator")
+    assert "--namespace=lockstep-system" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_cluster_wide_is_an_opt_in_and_excludes_a_namespace_list():
+    docs = render({"operator": {"clusterWide": True}})
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding" and d["metadata"]["name"] == "lockstep-operator"]
+    assert binding["subjects"][0]["namespace"] == "lockstep-system"
+    assert not [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "lockstep-operator"]
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-operator")
+    assert not [a for a in operator["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--namespace")]
+    with pytest.raises(Exception, match="operator.watchNamespaces cannot be set together with operator.clusterWide"):
+        render({"operator": {"clusterWide": True, "watchNamespaces": ["a"]}})
+
+
+@pytest.mark.parametrize("values", [{}, {"operator": {"clusterWide": True}}], ids=["role", "cluster-role"])
+def test_operator_rbac_is_least_privilege(values):
+    (role,) = [d for d in render(values) if d["kind"] in ("Role", "ClusterRole") and d["metadata"]["name"] == "lockstep-operator"]
     verbs = {
         (rule["apiGroups"][0], resource): set(rule["verbs"])
         for rule in role["rules"]
@@ -96,7 +125,9 @@ def test_operator_rbac_is_least_privilege():
     assert verbs[("serving.lockstep.dev", "llmservices/status")] == {"get", "patch", "update"}
     assert verbs[("", "pods")] == {"get", "list", "watch", "delete"}
     assert not any("*" in v for v in verbs.values())
-    assert ("", "secrets") not in verbs
+    assert verbs[("", "secrets")] == {"create"}  # the group Secret; the operator reads no Secret
+    assert verbs[("", "events")] == {"list", "create", "patch"}
+    assert verbs[("networking.k8s.io", "networkpolicies")] == {"get", "list", "watch", "create", "patch", "delete"}
 
 
 def test_selectors_hold_only_chart_owned_labels():
@@ -216,3 +247,124 @@ def test_notes_tell_how_to_serve_scale_and_upgrade_the_crd():
     assert "kind: LLMService" in notes
     assert "kubectl scale llmservice/smollm2 --replicas=2" in notes
     assert "kubectl apply --server-side -f crds/" in notes
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"engineApiKey": {"secretName": "engine-key", "key": "api-key"}, "operator": {"clusterWide": True}}],
+    ids=["defaults", "api-key"],
+)
+def test_every_chart_pod_passes_the_restricted_pod_security_standard(values):
+    pods = [pod for doc in render(values) for pod in pod_specs(doc)]
+    assert {name for name, _ in pods} == {
+        "Deployment/lockstep-operator", "Deployment/lockstep-gateway", "Pod/lockstep-test-gateway",
+    }  # fmt: skip
+    for name, pod in pods:
+        assert violations(pod) == [], name
+        for container in pod["containers"]:
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, name
+
+
+def test_helm_test_calls_the_gateway_health_and_models():
+    (pod,) = [d for d in render() if d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    script = pod["spec"]["containers"][0]["command"][-1]
+    assert "http://lockstep-gateway.lockstep-system.svc:80" in script
+    assert '"/health"' in script and '"/v1/models"' in script
+
+
+def test_the_pod_monitor_scrapes_leaders_only():
+    (monitor,) = [d for d in render({"monitoring": {"podMonitor": {"enabled": True}}}) if d["kind"] == "PodMonitor"]
+    assert monitor["spec"]["selector"]["matchLabels"]["apps.kubernetes.io/pod-index"] == "0"
+
+
+def test_the_gateway_has_a_disruption_budget_when_it_has_replicas_to_spare():
+    (pdb,) = [d for d in render() if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert not [d for d in render({"gateway": {"replicas": 1}}) if d["kind"] == "PodDisruptionBudget"]
+
+
+def test_an_image_digest_replaces_the_tag():
+    digest = "sha256:" + "b" * 64
+    docs = render({"engine": {"image": {"digest": digest}}, "operator": {"image": {"digest": digest}}})
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-operator")
+    container = operator["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == f"ghcr.io/lockstep-dev/lockstep-operator@{digest}"
+    assert f"--engine-image=ghcr.io/lockstep-dev/lockstep@{digest}" in container["args"]
+
+
+def _gateway_args(docs):
+    gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-gateway")
+    return gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_gateway_discovers_where_the_operator_watches_with_matching_rbac():
+    docs = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}})
+    assert [a for a in _gateway_args(docs) if "kubernetes" in a] == [
+        "--kubernetes-namespace=team-a", "--kubernetes-namespace=team-b",
+    ]  # fmt: skip
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "lockstep-gateway"]
+    assert [r["metadata"]["namespace"] for r in roles] == ["team-a", "team-b"]
+    assert roles[0]["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    ]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"operator": {"clusterWide": True}}, {"gateway": {"discoverAllNamespaces": True}}],
+    ids=["cluster-wide-operator", "gateway-value"],
+)
+def test_the_gateway_can_discover_every_namespace(values):
+    docs = render(values)
+    assert [a for a in _gateway_args(docs) if "kubernetes" in a] == ["--kubernetes-all-namespaces"]
+    assert [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "lockstep-gateway"]
+    assert not [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "lockstep-gateway"]
+
+
+def test_one_api_key_secret_reaches_the_gateway_and_the_example_engines():
+    docs = render({"engineApiKey": {"secretName": "engine-key", "key": "k"}, "example": {"enabled": True}})
+    assert "--engine-api-key-file=/var/run/lockstep/engine-api-key/k" in _gateway_args(docs)
+    gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-gateway")
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["engine-api-key"]["secret"]["secretName"] == "engine-key"
+    (example,) = [d for d in docs if d["kind"] == "LLMService"]
+    assert example["spec"]["engine"]["apiKeySecret"] == {"name": "engine-key", "key": "k"}
+    assert example["spec"]["engine"]["maxNumSeqs"] == 64
+    assert not [a for a in _gateway_args(render()) if "engine-api-key" in a]
+
+
+def test_network_policies_are_on_by_default_and_tell_the_operator():
+    docs = render()
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"lockstep-operator", "lockstep-gateway"}
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-operator")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--network-policy", "--engine-client-namespace=lockstep-system", "--monitoring-namespace=monitoring"} <= set(args)
+    gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-gateway")
+    assert gateway["spec"]["template"]["metadata"]["labels"]["serving.lockstep.dev/engine-client"] == "true"
+    off = render({"networkPolicy": {"enabled": False}})
+    assert not [d for d in off if d["kind"] == "NetworkPolicy"]
+    operator = next(d for d in off if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-operator")
+    assert "--no-network-policy" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_readme_documents_every_value():
+    """Every documented key of values.yaml (a `# --` comment above it) has a row in README.md."""
+    readme = (CHART / "README.md").read_text()
+    text = (CHART / "values.yaml").read_text()
+    lines = text.splitlines()
+    keys = []
+
+    def walk(node: yaml.MappingNode, path: str) -> None:
+        for key_node, value_node in node.value:
+            key = f"{path}{key_node.value}"
+            if lines[key_node.start_mark.line - 1].strip().startswith("# -- "):
+                keys.append(key)
+            elif isinstance(value_node, yaml.MappingNode):
+                walk(value_node, key + ".")
+
+    walk(yaml.compose(text), "")
+    assert len(keys) > 50
+    assert [k for k in keys if f"| `{k}` |" not in readme] == []

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from k8s_harness import CHART, EXAMPLE, wait_for
+from k8s_harness import CHART, EXAMPLE, RELEASE_VALUES, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -131,7 +131,7 @@ def test_the_documented_upgrade_path_works(release, control_plane, kubectl):
     kubectl.run("apply", "--server-side", "-f", str(CHART / "crds"))
     with helm.Config(kubeconfig_path=str(control_plane.kubeconfig), namespace="lockstep-system") as cfg:
         upgraded = cfg.upgrade(
-            str(CHART), "lockstep", {"dashboards": {"enabled": True}}, reuse_values=False, timeout=120
+            str(CHART), "lockstep", RELEASE_VALUES, reuse_values=False, timeout=120
         )
     assert upgraded["status"] == "deployed" and upgraded["revision"] == 2
     kubectl.run(
@@ -228,7 +228,7 @@ def test_kubectl_apply_of_the_example_creates_its_engine_group(operator, kubectl
         "apps.kubernetes.io/pod-index": "0",
         "serving.lockstep.dev/service": "smollm2",
     }
-    assert "launch.sh" in kubectl.get("configmap", "smollm2-engine", "-n", namespace)["data"]
+    assert {"launch.py", "fetch.py"} <= set(kubectl.get("configmap", "smollm2-engine", "-n", namespace)["data"])
 
 
 def test_kubectl_get_shows_the_printer_columns(operator, kubectl, kube, namespace):
@@ -491,3 +491,121 @@ def test_the_chart_rbac_was_enough_for_everything_above(operator):
     log = operator.log_text()
     assert "Forbidden" not in log and " 403" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+# --- security and the reasons pods are missing ------------------------------------------------
+
+PSS_ENFORCE = "pod-security.kubernetes.io/enforce"
+
+
+def test_the_api_servers_pod_security_admission_admits_the_charts_pods(release, kubectl):
+    """lockstep-system enforces "restricted": the ReplicaSet controller's pods exist only if admitted."""
+    labels = kubectl.get("namespace", "lockstep-system")["metadata"]["labels"]
+    assert labels[PSS_ENFORCE] == "restricted"
+
+    def components():
+        pods = kubectl.get("pods", "-n", "lockstep-system")["items"]
+        return {p["metadata"]["labels"].get("app.kubernetes.io/component") for p in pods}
+
+    wait_for("operator and gateway pods admitted", lambda: {"operator", "gateway"} <= components())
+
+
+def test_engine_pods_pass_restricted_pod_security_admission(operator, kubectl, namespace):
+    kubectl.run("label", "namespace", namespace, f"{PSS_ENFORCE}=restricted")
+    kubectl.apply(example("locked"), namespace)
+    wait_for("both engine pods admitted", lambda: len(pods_of(kubectl, namespace, "locked")) == 2)
+
+
+def test_the_group_secret_and_network_policies_belong_to_the_llmservice(operator, kubectl, namespace):
+    kubectl.apply(example("owned"), namespace)
+    found = wait_for(
+        "the group Secret",
+        lambda: (r := kubectl.run("get", "secret", "owned-group-secret", "-n", namespace, "-o", "json", check=False))
+        .returncode == 0 and r,
+    )
+    secret = json.loads(found.stdout)
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "LLMService"
+    assert len(secret["data"]["secret"]) > 40
+    def policies():
+        items = kubectl.get("networkpolicies", "-n", namespace)["items"]
+        return {p["metadata"]["name"] for p in items} == {"owned", "owned-g0"} and items
+
+    policies = wait_for("the NetworkPolicies", policies)
+    assert all(p["metadata"]["ownerReferences"][0]["name"] == "owned" for p in policies)
+    first_key = secret["data"]["secret"]
+    kubectl.run("annotate", "llmservice", "owned", "-n", namespace, "touch=1")  # one more reconcile
+    wait_for("the reconcile after the annotation", lambda: service(kubectl, namespace, "owned").get("status"))
+    again = kubectl.get("secret", "owned-group-secret", "-n", namespace)
+    assert again["data"]["secret"] == first_key  # created once, never rotated by a reconcile
+
+
+def _degraded(kubectl, namespace: str, name: str, reason: str):
+    def check():
+        found = condition(service(kubectl, namespace, name), "Degraded")
+        return found if found and found["reason"] == reason else None
+
+    return check
+
+
+def test_a_quota_that_refuses_pods_is_the_reason_in_status(operator, kubectl, namespace):
+    kubectl.apply(
+        {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "one-pod"}, "spec": {"hard": {"pods": "1"}}},
+        namespace,
+    )
+    # Until the quota controller has counted usage, admission refuses with "status unknown".
+    wait_for("the quota counted", lambda: kubectl.get("resourcequota", "one-pod", "-n", namespace).get("status", {}).get("used"))
+    kubectl.apply(example("quota"), namespace)  # two pods per group
+    degraded = wait_for(
+        "Degraded=FailedCreate", _degraded(kubectl, namespace, "quota", "FailedCreate"), timeout=90
+    )
+    assert "exceeded quota: one-pod" in degraded["message"]
+    obj = service(kubectl, namespace, "quota")
+    ready = condition(obj, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "FailedCreate")
+    assert "exceeded quota" in obj["status"]["groups"][0]["message"]
+
+
+def test_a_missing_runtime_class_is_the_reason_in_status(operator, kubectl, namespace):
+    kubectl.apply(example("runtime", template={"runtimeClassName": "nvidia"}), namespace)
+    degraded = wait_for(
+        "Degraded=FailedCreate", _degraded(kubectl, namespace, "runtime", "FailedCreate"), timeout=90
+    )
+    assert 'RuntimeClass "nvidia" not found' in degraded["message"]
+
+
+def test_the_default_namespaced_role_grants_the_operator_exactly_its_calls(release, kubectl, namespace):
+    """The chart's default RBAC (a Role in the watched namespace), judged by the API server's own
+    authorizer: every call the operator makes is allowed there, and nothing elsewhere."""
+    import helm_python as helm
+
+    with helm.Chart.load(str(CHART)) as chart:
+        rendered = chart.render({"operator": {"watchNamespaces": [namespace]}}, name="ns", namespace=namespace)
+    rbac = [
+        doc
+        for text in (rendered["lockstep/templates/operator-rbac.yaml"],)
+        for doc in yaml.safe_load_all(text)
+        if doc and doc["kind"] in ("ServiceAccount", "Role", "RoleBinding")
+    ]
+    assert {d["kind"] for d in rbac} == {"ServiceAccount", "Role", "RoleBinding"}
+    for doc in rbac:
+        kubectl.apply(doc, namespace)
+    user = f"system:serviceaccount:{namespace}:ns-lockstep-operator"
+
+    def can(verb: str, resource: str, where: str = namespace) -> bool:
+        resource, _, sub = resource.partition("/")
+        extra = [f"--subresource={sub}"] if sub else []
+        result = kubectl.run("auth", "can-i", verb, resource, *extra, "-n", where, "--as", user, check=False)
+        return result.stdout.strip() == "yes"
+
+    calls = [
+        ("get", "llmservices.serving.lockstep.dev"), ("list", "llmservices.serving.lockstep.dev"),
+        ("watch", "llmservices.serving.lockstep.dev"), ("patch", "llmservices.serving.lockstep.dev/status"),
+        ("patch", "statefulsets.apps"), ("delete", "statefulsets.apps"), ("list", "statefulsets.apps"),
+        ("patch", "services"), ("patch", "configmaps"), ("patch", "networkpolicies.networking.k8s.io"),
+        ("delete", "networkpolicies.networking.k8s.io"), ("list", "pods"), ("delete", "pods"),
+        ("create", "secrets"), ("list", "events"), ("create", "events"),
+    ]  # fmt: skip
+    assert [call for call in calls if not can(*call)] == []
+    assert not can("get", "secrets") and not can("list", "secrets")  # the operator reads no Secret
+    assert not can("patch", "llmservices.serving.lockstep.dev")  # never the spec
+    assert not can("list", "statefulsets.apps", "default")  # nothing outside its namespace

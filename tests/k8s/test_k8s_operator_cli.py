@@ -44,3 +44,14 @@ def test_the_lockstep_cli_dispatches_to_the_operator():
     )
     assert result.returncode == 0
     assert "--engine-image" in result.stdout and "--resync-seconds" in result.stdout
+
+
+def test_network_policy_flags_fill_the_operator_config():
+    config = parse_args(
+        ["--engine-client-namespace", "lockstep-system", "--monitoring-namespace", "monitoring",
+         "--monitoring-namespace", "obs"]
+    )  # fmt: skip
+    assert config.network_policy is True
+    assert config.engine_client_namespaces == ("lockstep-system",)
+    assert config.monitoring_namespaces == ("monitoring", "obs")
+    assert parse_args(["--no-network-policy"]).network_policy is False

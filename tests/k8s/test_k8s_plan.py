@@ -17,7 +17,8 @@ from lockstep_operator.constants import (
     LABEL_GROUP,
     LABEL_POD_INDEX,
 )
-from lockstep_operator.plan import Observed, Plan, plan_reconcile, status_changed
+from lockstep_operator.conditions import status_changed
+from lockstep_operator.plan import Observed, Plan, plan_reconcile
 
 CONFIG = OperatorConfig(engine_image="registry.example/lockstep:9.9.9")
 NOW = "2026-11-29T12:00:00Z"
@@ -33,22 +34,27 @@ class World:
         }
         self.objects: dict[tuple[str, str], dict] = {}
         self.pods: dict[str, dict] = {}
+        self.events: list[dict] = []
 
     def observed(self) -> Observed:
-        kinds = {"StatefulSet": [], "Service": [], "ConfigMap": []}
+        kinds = {"StatefulSet": [], "Service": [], "ConfigMap": [], "NetworkPolicy": [], "Secret": []}
         for (kind, _), obj in sorted(self.objects.items()):
             kinds[kind].append(copy.deepcopy(obj))
         return Observed(
-            kinds["StatefulSet"],
-            kinds["Service"],
-            kinds["ConfigMap"],
-            [copy.deepcopy(p) for p in self.pods.values()],
+            statefulsets=kinds["StatefulSet"],
+            services=kinds["Service"],
+            configmaps=kinds["ConfigMap"],
+            networkpolicies=kinds["NetworkPolicy"],
+            pods=[copy.deepcopy(p) for p in self.pods.values()],
+            events=copy.deepcopy(self.events),
         )
 
     def plan(self, now: str = NOW) -> Plan:
         return plan_reconcile(copy.deepcopy(self.owner), self.observed(), CONFIG, now)
 
     def execute(self, plan: Plan) -> None:
+        for obj in plan.create:
+            self.objects.setdefault((obj["kind"], obj["metadata"]["name"]), copy.deepcopy(obj))
         for obj in plan.apply:
             key = (obj["kind"], obj["metadata"]["name"])
             stored = copy.deepcopy(obj)
@@ -141,10 +147,11 @@ def test_a_new_service_gets_its_objects_and_starts_unready():
     )
     plan = world.plan()
     assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [
-        ("ConfigMap", "llama-engine"), ("Service", "llama"),
-        ("Service", "llama-g0"), ("StatefulSet", "llama-g0"),
-        ("Service", "llama-g1"), ("StatefulSet", "llama-g1"),
+        ("ConfigMap", "llama-engine"), ("Service", "llama"), ("NetworkPolicy", "llama"),
+        ("Service", "llama-g0"), ("NetworkPolicy", "llama-g0"), ("StatefulSet", "llama-g0"),
+        ("Service", "llama-g1"), ("NetworkPolicy", "llama-g1"), ("StatefulSet", "llama-g1"),
     ]  # fmt: skip
+    assert [(o["kind"], o["metadata"]["name"]) for o in plan.create] == [("Secret", "llama-group-secret")]
     assert plan.status["podsPerGroup"] == 2
     assert plan.status["conditions"][0]["status"] == "False"
     world.settle()
@@ -250,6 +257,7 @@ def test_scaling_up_creates_groups_and_touches_no_pods():
     plan = world.plan()
     assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [
         ("Service", "llama-g2"),
+        ("NetworkPolicy", "llama-g2"),
         ("StatefulSet", "llama-g2"),
     ]
     assert not plan.delete_pods
@@ -270,6 +278,8 @@ def test_scaling_down_deletes_the_highest_groups():
         ("StatefulSet", "llama-g1"),
         ("Service", "llama-g1"),
         ("Service", "llama-g2"),
+        ("NetworkPolicy", "llama-g1"),
+        ("NetworkPolicy", "llama-g2"),
     ]
     assert not plan.delete_pods
     world.settle()
@@ -362,8 +372,103 @@ def test_the_plan_never_writes_the_llmservice_spec():
     world = ready_world(replicas=2)
     world.owner["spec"]["replicas"] = 3
     plan = world.plan()
-    assert {o["kind"] for o in plan.apply} <= {"ConfigMap", "Service", "StatefulSet"}
+    assert {o["kind"] for o in plan.apply} <= {"ConfigMap", "Service", "StatefulSet", "NetworkPolicy"}
     assert set(plan.status) == {
         "observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
         "podsPerGroup", "steps", "conditions", "groups",
     }  # fmt: skip
+
+
+QUOTA_MESSAGE = (
+    'create Pod llama-g0-1 in StatefulSet llama-g0 failed error: pods "llama-g0-1" is forbidden: '
+    "exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=1, "
+    "limited: requests.nvidia.com/gpu=1"
+)
+
+
+def failed_create(world: World, group: int, message: str, at: str) -> dict:
+    sts = world.objects[("StatefulSet", f"llama-g{group}")]
+    return {
+        "type": "Warning",
+        "reason": "FailedCreate",
+        "message": message,
+        "lastTimestamp": at,
+        "involvedObject": {"kind": "StatefulSet", "name": f"llama-g{group}", "uid": sts["metadata"]["uid"]},
+    }
+
+
+def test_a_pod_the_api_server_refused_puts_the_reason_in_status():
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": 2, "gpusPerPod": 1}})
+    world.execute(world.plan())
+    world.run_statefulset_controller()
+    del world.pods["llama-g0-1"]  # the quota admitted one pod of two
+    world.events = [
+        failed_create(world, 0, "an older refusal", "2026-11-29T11:00:00Z"),
+        failed_create(world, 0, QUOTA_MESSAGE, "2026-11-29T11:59:00Z"),
+    ]
+    plan = world.plan()
+    world.execute(plan)
+    ready, degraded = world.condition("Ready"), world.condition("Degraded")
+    assert (ready["status"], ready["reason"]) == ("False", "FailedCreate")
+    assert "exceeded quota: gpus" in ready["message"] and "0 of 1 groups ready" in ready["message"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "FailedCreate")
+    assert degraded["message"] == f"group 0: {QUOTA_MESSAGE}"
+    assert world.owner["status"]["groups"][0]["message"] == QUOTA_MESSAGE
+
+
+def test_refusals_of_a_complete_group_or_of_another_statefulset_are_ignored():
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": 2, "gpusPerPod": 1}})
+    world.settle()
+    world.events = [failed_create(world, 0, QUOTA_MESSAGE, "2026-11-29T11:59:00Z")]
+    world.events.append({**world.events[0], "involvedObject": {"kind": "StatefulSet", "uid": "someone-else"}})
+    world.execute(world.plan())
+    assert world.condition("Degraded")["reason"] == "AsExpected"
+    assert "message" not in world.owner["status"]["groups"][0]
+
+
+def test_an_unschedulable_pod_says_what_the_scheduler_said():
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": 2, "gpusPerPod": 1}})
+    world.settle()
+    world.pods["llama-g0-1"]["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+            }
+        ],
+    }
+    world.execute(world.plan())
+    ready = world.condition("Ready")
+    assert ready["reason"] == "Unschedulable"
+    assert "pod llama-g0-1: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu." in ready["message"]
+
+
+def test_an_image_that_cannot_be_pulled_says_so():
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"gpusPerPod": 1}})
+    world.settle()
+    world.pods["llama-g0-0"]["status"] = {
+        "phase": "Pending",
+        "containerStatuses": [
+            {
+                "name": "engine",
+                "restartCount": 0,
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x:1"'}},
+            }
+        ],
+    }
+    world.execute(world.plan())
+    degraded = world.condition("Degraded")
+    assert degraded["reason"] == "ImagePullBackOff"
+    assert degraded["message"] == 'group 0: pod llama-g0-0 container engine: ImagePullBackOff: Back-off pulling image "x:1"'
+
+
+def test_turning_network_policies_off_deletes_them():
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"gpusPerPod": 1}, "replicas": 2})
+    world.settle()
+    config = OperatorConfig(engine_image=CONFIG.engine_image, network_policy=False)
+    plan = plan_reconcile(copy.deepcopy(world.owner), world.observed(), config, NOW)
+    assert sorted(name for kind, name in plan.delete if kind == "NetworkPolicy") == ["llama", "llama-g0", "llama-g1"]
+    assert not any(o["kind"] == "NetworkPolicy" for o in plan.apply)

@@ -70,11 +70,27 @@ def test_adaptive_decode_passes_auto():
         ),
         ({"engine": {"env": [{"name": "LOCKSTEP_RANK", "value": "3"}]}}, "spec.engine.env", "LOCKSTEP_RANK"),
         ({"startup": {"timeoutSeconds": 5}}, "spec.startup.timeoutSeconds", "30..86400, got 5"),
+        (
+            {"parallelism": {"tensor": 4, "gpusPerPod": 4, "ranksPerPod": 2}},
+            "spec.parallelism.ranksPerPod",
+            "must equal gpusPerPod (4)",
+        ),
+        (
+            {"parallelism": {"tensor": 3, "gpusPerPod": 0, "ranksPerPod": 2}},
+            "spec.parallelism.ranksPerPod",
+            "tensor * pipeline (3) must be divisible by ranksPerPod (2)",
+        ),
+        ({"model": {"source": "hf://just-a-name"}}, "spec.model.source", "hf://<org>/<repo>"),
+        ({"model": {"source": "https://host-only"}}, "spec.model.source", "a URL with a host and a path"),
+        ({"model": {"source": "hf://o/m", "endpoint": "ftp://x"}}, "spec.model.endpoint", "http(s)://"),
+        ({"model": {"source": "hf://o/m", "tokenSecret": {"key": "t"}}}, "spec.model.tokenSecret", "naming a Secret"),
+        ({"model": {"source": "hf://o/m", "cache": {"claimName": "Bad_Claim"}}}, "spec.model.cache.claimName", "DNS label"),
+        ({"engine": {"apiKeySecret": "key"}}, "spec.engine.apiKeySecret", "naming a Secret"),
     ],
 )
 def test_invalid_specs_name_field_and_allowed_values(spec, field, words):
     with pytest.raises(SpecError) as caught:
-        parse({"model": {"source": "smollm2"}, **spec})
+        parse({"model": {"source": "smollm2"}, **spec} if "model" not in spec else spec)
     assert caught.value.field == field
     assert words in str(caught.value)
 
@@ -100,3 +116,19 @@ def test_owned_flags_match_the_crd_rule():
     ][0]["rule"]
     for flag in OWNED_FLAGS:
         assert flag.removeprefix("--") in rule
+
+
+def test_ranks_per_pod_follows_gpus_and_may_be_set_for_cpu_pods():
+    assert parse({"model": {"source": "x"}, "parallelism": {"tensor": 4, "gpusPerPod": 4}}).ranks_per_pod == 4
+    cpu = parse({"model": {"source": "x"}, "parallelism": {"tensor": 2, "gpusPerPod": 0, "ranksPerPod": 2}})
+    assert (cpu.ranks_per_pod, cpu.pods_per_group) == (2, 1)
+
+
+def test_fetched_sources_and_their_secrets():
+    spec = parse(
+        {"model": {"source": "hf://org/model@v2", "tokenSecret": {"name": "hf"}}, "engine": {"apiKeySecret": {"name": "k"}}}
+    )
+    assert spec.fetched
+    assert (spec.model_token_secret.name, spec.model_token_secret.key) == ("hf", "token")
+    assert (spec.api_key_secret.name, spec.api_key_secret.key) == ("k", "api-key")
+    assert not parse({"model": {"source": "smollm2"}}).fetched

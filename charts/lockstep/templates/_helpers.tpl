@@ -36,9 +36,14 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* image reference; the tag defaults to the chart's appVersion. Call with (dict "root" $ "image" .Values.x.image). */}}
+{{/* image reference: repository@digest when a digest is set, else repository:tag (the tag defaults
+to the chart's appVersion). Call with (dict "root" $ "image" .Values.x.image). */}}
 {{- define "lockstep.image" -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "lockstep.operatorServiceAccount" -}}
@@ -49,13 +54,40 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-gateway" (include "lockstep.fullname" .)) .Values.gateway.serviceAccount.name -}}
 {{- end -}}
 
-{{/* Namespaces the gateway discovers engines in. */}}
-{{- define "lockstep.discoveryNamespaces" -}}
-{{- if .Values.gateway.discoveryNamespaces -}}
-{{- toJson .Values.gateway.discoveryNamespaces -}}
+{{/* Namespaces the operator watches when not cluster-wide (a Role in each). */}}
+{{- define "lockstep.watchNamespaces" -}}
+{{- if .Values.operator.clusterWide -}}
+{{- toJson list -}}
+{{- else if .Values.operator.watchNamespaces -}}
+{{- toJson .Values.operator.watchNamespaces -}}
 {{- else -}}
 {{- toJson (list .Release.Namespace) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Whether the gateway discovers engines in every namespace (a ClusterRole). */}}
+{{- define "lockstep.discoverAll" -}}
+{{- if or .Values.gateway.discoverAllNamespaces (and .Values.operator.clusterWide (not .Values.gateway.discoveryNamespaces)) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Namespaces the gateway discovers engines in, when not all: its own list, else the operator's. */}}
+{{- define "lockstep.discoveryNamespaces" -}}
+{{- if include "lockstep.discoverAll" . -}}
+{{- toJson list -}}
+{{- else if .Values.gateway.discoveryNamespaces -}}
+{{- toJson .Values.gateway.discoveryNamespaces -}}
+{{- else -}}
+{{- include "lockstep.watchNamespaces" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Rules the gateway needs to find engines: the EndpointSlices of LLMService leader Services. */}}
+{{- define "lockstep.gatewayRules" -}}
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
 {{- end -}}
 
 {{/* Rules the operator needs on the objects of one LLMService (least privilege). */}}
@@ -72,12 +104,20 @@ app.kubernetes.io/component: {{ .component }}
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, delete]
+# The group Secret is only ever created (a 409 means it exists): the operator reads no Secret.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+# Events: its own, and the StatefulSet controller's FailedCreate warnings (why pods are missing).
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [list, create, patch]
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
