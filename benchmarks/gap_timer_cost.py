@@ -73,7 +73,7 @@ def main() -> int:
     for n in args.steps:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=n, max_num_seqs=args.batch,
                   max_model_len=1024)
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         real_clock = runner.clock
         run(llm, prompts[:8], params[:8])  # warm-up: graphs, allocator, pinned host buffers
         forced_before = real_clock.num_forced_syncs

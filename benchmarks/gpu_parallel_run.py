@@ -33,7 +33,7 @@ def match_prompts(vocab: int) -> list[list[int]]:
 def warm_up(llm, max_rows: int, steps: int) -> None:
     """Runs windows of every decode-graph bucket size, on every rank alike, before the timed run (a
     leader-only graphs.warmup() would leave the workers out of the captured collectives)."""
-    from lockstep_engine.cuda_graphs import BUCKETS
+    from lockstep_engine.runner.cuda_graphs import BUCKETS
     from lockstep_engine.sampling_params import SamplingParams
 
     sizes = sorted((b for b in BUCKETS if b <= max_rows), reverse=True)
@@ -62,7 +62,7 @@ def run_one(args) -> int:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     result = {"tp": tp, "pp": pp, "steps": n, "start_s": time.perf_counter() - started,
-              "graphs": llm.engine.runner.graphs is not None}
+              "graphs": llm.engine.executor.runner.graphs is not None}
     log(f"TP={tp} PP={pp} N={n}: engine up in {result['start_s']:.1f}s (graphs: {result['graphs']})")
     workload = make_workload("sharegpt-synth", args.num_prompts, seed=0,
                              vocab_size=llm.engine.model_config.vocab_size)

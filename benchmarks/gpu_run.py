@@ -104,8 +104,8 @@ def run_workload(llm: LLM, prompts, params, label: str) -> dict:
         "mean_batch": statistics.fmean(stats.step_batch_sizes) if stats.step_batch_sizes else 0,
         "step_ms": 1e3 * busy / max(stats.num_steps, 1),
         # the step timer never waits on the device in steady state; the pinned output ring stops growing
-        "forced_syncs": llm.engine.runner.clock.num_forced_syncs,
-        "host_ring_slots": llm.engine.runner.host_ring.num_slots if llm.engine.runner.host_ring else 0,
+        "forced_syncs": llm.engine.executor.runner.clock.num_forced_syncs,
+        "host_ring_slots": llm.engine.executor.runner.host_ring.num_slots if llm.engine.executor.runner.host_ring else 0,
         "breakdown": breakdown(stats, run.elapsed_s),
     }
 
@@ -247,7 +247,7 @@ def greedy_match(base: LLM, args) -> dict:
             set_fused_kernels(fused)
             llm = LLM(args.model, share_model_with=base, attention_backend=backend, num_scheduler_steps=steps,
                       max_model_len=args.max_model_len)
-            assert llm.engine.runner.backend.name == backend, (llm.engine.runner.backend.name, backend)
+            assert llm.engine.executor.runner.backend.name == backend, (llm.engine.executor.runner.backend.name, backend)
             results[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
         except Exception as error:  # the report says which variant failed and why
             results[name] = repr(error)
@@ -278,7 +278,7 @@ def greedy_match(base: LLM, args) -> dict:
 def first_divergences(reference, other) -> tuple[int, list[dict]]:
     """(prompts with identical tokens, and for each prompt whose tokens differ: the prompt, the first
     position where they differ, the reference's top-2 logprob gap there and, when `other` has logprobs
-    too, whether each side's token is among the other's top 2: DESIGN.md 3.2's near-tie rule).
+    too, whether each side's token is among the other's top 2: the near-tie rule of docs/ARCHITECTURE.md).
     `reference` was generated with logprobs."""
     same, found = 0, []
     for index, (a, b) in enumerate(zip(reference, other)):
@@ -411,8 +411,8 @@ def main() -> int:
         os._exit(0)  # a peer cut off at its deadline may leave its generation thread running
     base = LLM(args.model, num_scheduler_steps=1, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens)
-    RESULTS["backend"] = base.engine.runner.backend.name
-    RESULTS["kv_blocks"] = base.engine.runner.num_blocks
+    RESULTS["backend"] = base.engine.executor.runner.backend.name
+    RESULTS["kv_blocks"] = base.engine.executor.runner.num_blocks
     if "match" not in args.skip:
         RESULTS["greedy_match_triton_vs_torch"] = greedy_match(base, args)
         log(f"greedy match: {RESULTS['greedy_match_triton_vs_torch']}")
@@ -425,8 +425,8 @@ def main() -> int:
     for name, n, batched, seqs, policy in variants:
         llm = LLM(args.model, share_model_with=base, num_scheduler_steps=n, max_model_len=args.max_model_len,
                   max_num_seqs=seqs, max_num_batched_tokens=batched, scheduling_policy=policy)
-        if llm.engine.runner.graphs is not None:
-            llm.engine.runner.graphs.warmup(seqs)
+        if llm.engine.executor.runner.graphs is not None:
+            llm.engine.executor.runner.graphs.warmup(seqs)
         log(f"sharegpt-synth {name}")
         try:
             RESULTS["runs"][name] = run_workload(llm, prompts, params, name)

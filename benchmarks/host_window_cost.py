@@ -5,7 +5,7 @@ with 200-250-token prompts, runs their prefill windows, then times decode window
 own counters (`CoreStats.schedule_s`, `prepare_s`, `update_s`) and prints per-window medians in ms:
 
 * schedule: `Scheduler.schedule()` (and forking), block reservation included;
-* prepare: the window's first-step inputs (`ModelRunner._first_step`: token ids, positions, slots,
+* prepare: the window's first-step inputs (`Steps.first_step`: token ids, positions, slots,
   block table, sampling tensors) and block copies;
 * update: `EngineCore.step` after the window (row completion, prefix-cache registration, releases).
 

@@ -1,8 +1,8 @@
 """Prometheus names, label values and bucket boundaries shared by the engine, gateway, operator and tests.
 
 Standard library only (no prometheus_client, no torch), so the gateway, the operator and a test can
-import it. DESIGN.md §6 fixes the rules: prefix `lockstep_`, base units, counters end in `_total`
-(prometheus_client adds it: the constants below are the exposed names), no request-level labels.
+import it. The rules (docs/ARCHITECTURE.md): prefix `lockstep_`, base units, counters end in `_total`
+(the constants below are the exposed names, suffix included), no request-level labels.
 The vLLM names are exported unchanged next to ours, so routers and autoscalers built for vLLM read a
 Lockstep engine as they read vLLM.
 """

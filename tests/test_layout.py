@@ -1,4 +1,4 @@
-"""The repository's layering and naming rules (DESIGN.md §2)."""
+"""The repository's layering and naming rules (docs/ARCHITECTURE.md)."""
 
 import os
 import subprocess
@@ -27,3 +27,17 @@ def test_scheduling_core_imports_without_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_no_engine_module_exceeds_500_lines():
+    engine = os.path.join(ROOT, "engine", "lockstep_engine")
+    too_long = {}
+    for folder, _, files in os.walk(engine):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as handle:
+                    count = sum(1 for _ in handle)
+                if count > 500:
+                    too_long[os.path.relpath(path, ROOT)] = count
+    assert not too_long, f"engine modules over 500 lines (split them): {too_long}"

@@ -91,20 +91,3 @@ class TorchPagedAttention:
             out[start:end] = result.transpose(0, 1)
         return out
 
-
-def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device):
-    """torch on the CPU; on CUDA the Triton kernels unless `torch` is asked for (or Triton can't run)."""
-    if device.type != "cuda":
-        if name == "triton":
-            raise ValueError("attention_backend='triton' needs device='cuda' (expected torch or auto on the CPU)")
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
-    if name == "torch":
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
-    try:
-        from lockstep_engine.kernels.triton_attention import TritonPagedAttention
-
-        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
-    except (ImportError, ValueError) as error:
-        if name == "triton":
-            raise ValueError(f"attention_backend='triton' is unavailable: {error}") from error
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)

@@ -179,12 +179,6 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
 
-    def trim(self, seq: Sequence) -> None:
-        """Releases blocks reserved past the sequence's computed tokens (unused lookahead)."""
-        keep = self.blocks_for(seq.num_computed)
-        while len(seq.block_ids) > keep:
-            self._unref(seq.block_ids.pop())
-
     # ---- prefix cache -----------------------------------------------------------------------
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Adds the sequence's newly completed blocks to the prefix cache."""
@@ -203,11 +197,3 @@ class BlockManager:
                 self._cached[block_hash] = block.block_id
             seq.block_hashes.append(block_hash)
             seq.num_hashed_blocks += 1
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self._evictable):
-            block = self._blocks[block_id]
-            del self._cached[block.block_hash]
-            block.block_hash, block.token_ids = None, None
-            self._free[block_id] = None
-        self._evictable.clear()

@@ -7,12 +7,15 @@ No torch here: the scheduler and block manager read this too.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal, Union
 
 MAX_SCHEDULER_STEPS = 64
 AUTO = "auto"
 SCHEDULING_POLICIES = ("fcfs", "lof")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+LOAD_FORMATS = ("auto", "safetensors", "gguf")  # what `sources.resolve` reads (vLLM's names)
 
 
 class ConfigError(ValueError):
@@ -52,6 +55,20 @@ def num_scheduler_steps_arg(text: str) -> Union[int, str]:
         ) from None
 
 
+def parse_layer_partition(value, pp_size: int) -> tuple[int, ...] | None:
+    """`pipeline_layer_partition`: decoder layers per pipeline stage, as "19,11" or a sequence of
+    counts; one count >= 1 per stage. None or "": the weight-balanced default (`parallel.stage_layers`)."""
+    if value is None or value == "":
+        return None
+    allowed = f"{pp_size} comma-separated layer counts, each >= 1 (one per pipeline stage)"
+    try:
+        counts = tuple(int(x) for x in (value.split(",") if isinstance(value, str) else value))
+    except (TypeError, ValueError):
+        raise ConfigError(f"pipeline_layer_partition={value!r} is invalid: expected {allowed}") from None
+    _require(len(counts) == pp_size and min(counts, default=0) >= 1, "pipeline_layer_partition", value, allowed)
+    return counts
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -76,11 +93,20 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None  # micro-batches in flight per window with PP; None: one per stage
+    # Decoder layers per pipeline stage, e.g. "19,11" (vLLM: VLLM_PP_LAYER_PARTITION); None: balanced by
+    # the weight each stage reads per step (`parallel.stage_layers`).
+    pipeline_layer_partition: tuple[int, ...] | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False
     max_logprobs: int = 20
+    # Hugging Face hub ids (`org/name`) are read from the local cache: `download_dir` (vLLM's flag) or
+    # HF_HOME, at `revision` (a branch, tag or commit; default main).
+    download_dir: str | None = None
+    revision: str | None = None
+    load_format: Literal["auto", "safetensors", "gguf"] = "auto"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         object.__setattr__(self, "num_scheduler_steps", parse_num_scheduler_steps(self.num_scheduler_steps))
         _require(isinstance(self.model, str) and bool(self.model), "model", self.model, "a model source")
         _require(1 <= self.max_num_seqs <= 65536, "max_num_seqs", self.max_num_seqs, "an integer in [1, 65536]")
@@ -97,8 +123,8 @@ class EngineConfig:
         if self.num_gpu_blocks_override is not None:
             _require(self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override", self.num_gpu_blocks_override,
                      "a positive integer")
-        _require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", self.dtype,
-                 "one of auto, float32, float16, bfloat16")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, "one of auto, half, float16, bfloat16, float, float32")
+        _require(self.load_format in LOAD_FORMATS, "load_format", self.load_format, "one of " + ", ".join(LOAD_FORMATS))
         _require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "one of auto, cpu, cuda")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", self.pipeline_parallel_size,
@@ -106,6 +132,8 @@ class EngineConfig:
         if self.pipeline_micro_batches is not None:
             _require(1 <= self.pipeline_micro_batches <= 64, "pipeline_micro_batches", self.pipeline_micro_batches,
                      "an integer in [1, 64]")
+        object.__setattr__(self, "pipeline_layer_partition",
+                           parse_layer_partition(self.pipeline_layer_partition, self.pipeline_parallel_size))
         _require(self.attention_backend in ("auto", "torch", "triton"), "attention_backend", self.attention_backend,
                  "one of auto, torch, triton")
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", self.max_logprobs, "an integer in [0, 100]")

@@ -8,14 +8,13 @@ import time
 
 from lockstep.protocol import SequenceOutput
 from lockstep_engine.config import EngineConfig
-from lockstep_engine.distributed import create_runner
 from lockstep_engine.engine_core import EngineCore
-from lockstep_engine.model_runner import ModelRunner
+from lockstep_engine.group.executor import load_engine
 from lockstep_engine.output_processor import OutputProcessor, RequestState
 from lockstep_engine.outputs import CompletionOutput, RequestOutput
-from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
+from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
-from lockstep_engine.sources import resolve
+from lockstep_engine.validation import validate_prompt, validate_request
 
 
 class LLMEngine:
@@ -23,24 +22,15 @@ class LLMEngine:
         """`share_model_with` reuses another engine's loaded weights and KV cache memory (benchmarks
         and tests comparing window lengths); the other engine must be idle from then on."""
         if share_model_with is None:
-            source = resolve(config.model, seed=config.seed)
-            self.tokenizer = source.load_tokenizer() if source.load_tokenizer else None
-            self.config = config.with_model_limits(source.config.max_position_embeddings)
-            self.model_config = source.config
-            self.runner = create_runner(self.config, source)
-            from lockstep_engine import guided
-
-            guided.install(self.runner, self.tokenizer)  # workers of a group install their own
+            loaded = load_engine(config)
+            self.tokenizer, self.config, self.model_config = loaded.tokenizer, loaded.config, loaded.model_config
+            self.executor = loaded.executor
         else:
             other = share_model_with
-            self.tokenizer, self.model_config, self.runner = other.tokenizer, other.model_config, other.runner
-            if isinstance(self.runner, ModelRunner):  # one rank (a group's workers hold their own)
-                self.runner.use_attention_backend(config.attention_backend)
-            elif config.attention_backend != "auto":
-                raise ValueError(f"attention_backend={config.attention_backend!r}: an engine sharing a "
-                                 "parallel group's model runs the group's backend (expected auto)")
+            self.tokenizer, self.model_config, self.executor = other.tokenizer, other.model_config, other.executor
+            self.executor.use_attention_backend(config.attention_backend)
             self.config = config.with_model_limits(other.model_config.max_position_embeddings)
-        self.core = EngineCore(self.config, self.runner)
+        self.core = EngineCore(self.config, self.executor)
         self.processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -109,33 +99,3 @@ class LLMEngine:
                                     s.finish_reason, s.stop_reason) for s in state.sequences]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished,
                              num_cached_tokens=state.num_cached_tokens)
-
-
-def validate_prompt(config: EngineConfig, model_config, token_ids: list[int]) -> None:
-    if not token_ids:
-        raise SamplingParamsError("prompt", token_ids, "at least one token")
-    vocab = model_config.vocab_size
-    bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-    if bad is not None:
-        raise SamplingParamsError("prompt", bad, f"token ids in [0, {vocab})")
-    limit = config.max_model_len
-    if len(token_ids) >= limit:
-        raise SamplingParamsError("prompt", f"<{len(token_ids)} tokens>",
-                                  f"fewer than max_model_len={limit} tokens (leaving room for one output token)")
-
-
-def validate_request(config: EngineConfig, model_config, token_ids: list[int], params: SamplingParams) -> None:
-    """Checks a tokenized request against the model and the engine's limits (offline and server alike);
-    raises SamplingParamsError naming the bad field."""
-    params.validate(config.max_logprobs)
-    validate_prompt(config, model_config, token_ids)
-    vocab = model_config.vocab_size
-    for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise SamplingParamsError(field_name, bad, f"token ids in [0, {vocab})")
-    if params.max_tokens is not None and len(token_ids) + params.max_tokens > config.max_model_len:
-        # Like vLLM: max_tokens may not run past the context window.
-        raise SamplingParamsError("max_tokens", params.max_tokens,
-                                  f"at most {config.max_model_len - len(token_ids)} "
-                                  f"(max_model_len={config.max_model_len} minus {len(token_ids)} prompt tokens)")

@@ -1,26 +1,32 @@
 """`EngineCore`: the loop `schedule -> run window -> update`, emitting tokens per step.
 
-The core decides the stops the device can see (EOS, stop token ids, max_tokens, max_model_len).
-Stop strings are the output processor's call: it stops a sequence through `stop_sequence`, and any
-token the window computed for it afterwards is counted as wasted.
+The device decides the stops it can see (EOS, stop token ids, max_tokens, max_model_len) and sends a
+finish code per row with each step's tokens; the core applies it. Stop strings are the output
+processor's call: it stops a sequence through `stop_sequence`, and any token the window computed
+for it afterwards is counted as wasted.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from lockstep.protocol import SequenceOutput, TokenLogprobs
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import EngineConfig
-from lockstep_engine.model_runner import ModelRunner, StepOutput, WindowTimings
+from lockstep_engine.group.executor import Executor
+from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_STOP, StepOutput, WindowTimings
 from lockstep_engine.scheduler import Scheduler, SchedulerLimits, WindowPlan
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
 
 
 @dataclass
 class CoreStats:
+    """The engine core's counters (cumulative) and per-step samples (since the last `take`).
+
+    Only the core writes here; readers (metrics, benchmarks) take a snapshot."""
+
     num_windows: int = 0
     num_steps: int = 0
     num_generated_tokens: int = 0
@@ -40,17 +46,42 @@ class CoreStats:
     first_step_tokens: list[int] = field(default_factory=list)  # tokens fed to each window's first forward
     queue_times_s: list[float] = field(default_factory=list)  # arrival -> first scheduled, once per request
 
+    def take(self) -> "CoreStats":
+        """A snapshot: the counters so far and the samples recorded since the previous `take`, which
+        this object then forgets (a long-running server's memory stays flat)."""
+        snapshot = replace(self)
+        for name in _SAMPLE_LISTS:
+            setattr(self, name, [])
+        return snapshot
+
+    def record_timings(self, timings: WindowTimings) -> None:
+        """A window's host phases and the device timings harvested with it (possibly some of an
+        earlier window's steps: they arrive as the device finishes them)."""
+        self.prepare_s += timings.prepare_s
+        self.output_s += timings.output_s
+        for timed in timings.steps:
+            self.forward_s += timed.forward_s
+            if timed.tag.step > 1:
+                self.decode_step_s.append(timed.forward_s)
+                self.decode_step_batch.append(timed.tag.batch)
+            if timed.gap_s is not None:
+                (self.gaps_s if timed.tag.step > 1 else self.boundary_gaps_s).append(timed.gap_s)
+
+
+_SAMPLE_LISTS = ("gaps_s", "boundary_gaps_s", "decode_step_s", "decode_step_batch", "window_steps",
+                 "step_batch_sizes", "first_step_tokens", "queue_times_s")
+
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: ModelRunner):
+    def __init__(self, config: EngineConfig, executor: Executor):
         self.config = config
-        self.runner = runner
-        # A shared runner may hold more KV memory than this engine is configured to use.
-        num_blocks = min(runner.num_blocks, config.num_gpu_blocks_override or runner.num_blocks)
+        self.executor = executor
+        # A shared model may hold more KV memory than this engine is configured to use.
+        num_blocks = min(executor.num_blocks, config.num_gpu_blocks_override or executor.num_blocks)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # With pipeline stages the limits hold per micro-batch, as they do per virtual engine in vLLM:
         # a window of PP micro-batches carries up to PP x max_num_seqs rows.
-        micro = getattr(runner, "micro_batches", 1)
+        micro = executor.micro_batches
         batched = config.max_num_batched_tokens * micro if config.max_num_batched_tokens else None
         self.scheduler = Scheduler(
             SchedulerLimits(max_num_seqs=config.max_num_seqs * micro, max_num_batched_tokens=batched,
@@ -60,10 +91,9 @@ class EngineCore:
             self.blocks)
         self.requests: dict[str, Request] = {}
         self.stats = CoreStats()
-        self._eos = set(runner.model_config.eos_token_ids)
         self._in_flight: WindowPlan | None = None
-        self._pending_release: list[Sequence] = []
-        self._busy = False  # finished, blocks freed when no window is in flight
+        self._pending_release: list[Sequence] = []  # finished; blocks freed when no window is in flight
+        self._busy = False  # work was left after the last window: the next one's wait counts as a gap
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,6 +170,7 @@ class EngineCore:
         schedule_s = time.perf_counter() - started
         if plan is None:
             self._busy = False
+            self.executor.on_idle()
             return None
         now = time.monotonic()
         for row in plan.rows:
@@ -167,7 +198,7 @@ class EngineCore:
 
         self._in_flight = plan
         try:
-            timings = self.runner.execute_window(plan, on_step, continuing=self._busy)
+            timings = self.executor.execute_window(plan, on_step, continuing=self._busy)
         finally:
             self._in_flight = None
         update_start = time.perf_counter()
@@ -187,22 +218,19 @@ class EngineCore:
         stats.window_steps.append(plan.num_steps)
         stats.num_prompt_tokens_computed += sum(r.num_new_tokens for r in plan.rows if r.num_new_tokens > 1)
         stats.schedule_s += schedule_s
-        stats.prepare_s += timings.prepare_s
-        stats.output_s += timings.output_s
-        # Device timings arrive as the device finishes them: possibly some of an earlier window's steps.
-        adaptive = self.config.is_adaptive
-        for timed in timings.steps:
-            stats.forward_s += timed.forward_s
-            if timed.tag.step > 1:
-                stats.decode_step_s.append(timed.forward_s)
-                stats.decode_step_batch.append(timed.tag.batch)
-            if timed.gap_s is not None:
-                (stats.gaps_s if timed.tag.step > 1 else stats.boundary_gaps_s).append(timed.gap_s)
-            if adaptive:
+        stats.record_timings(timings)
+        if self.config.is_adaptive:
+            for timed in timings.steps:
                 self.scheduler.observe_costs(timed.gap_s if timed.tag.step == 1 else None,
                                              timed.forward_s if timed.tag.phase == "decode" else None)
         stats.update_s += time.perf_counter() - update_start
+        if not self._busy:
+            self.executor.on_idle()
         return timings
+
+    def take_stats(self) -> CoreStats:
+        """The core's statistics as a snapshot; the per-step samples in it are not kept here after."""
+        return self.stats.take()
 
     def _append_token(self, seq: Sequence, token: int, step: StepOutput, i: int) -> SequenceOutput:
         seq.token_ids.append(token)
@@ -215,16 +243,15 @@ class EngineCore:
             entry = TokenLogprobs(token, step.logprobs[i], step.ranks[i], top)
             seq.logprobs.append(entry)
             logprobs = [entry]
-        params = seq.request.params
         finish, stop_reason = None, None
-        if (token in params.stop_token_ids or (token in self._eos and not params.ignore_eos)) \
-                and seq.num_output_tokens >= params.min_tokens:
+        code = step.finish[i]
+        if code == FINISH_STOP:
             finish = "stop"
-            stop_reason = token if token in params.stop_token_ids else None
+            stop_reason = token if token in seq.request.params.stop_token_ids else None  # None: EOS
             seq.stop_reason = stop_reason
             self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-        elif seq.remaining_tokens <= 0:
+        elif code == FINISH_LENGTH:
             finish = "length"
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
         return SequenceOutput(seq.request.request_id, seq.index, [token], logprobs, finish, stop_reason,
-                              seq.request.num_cached_tokens)
+                              seq.request.num_cached_tokens, scheduled_at=seq.first_scheduled_time)

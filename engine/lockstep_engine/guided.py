@@ -1,4 +1,4 @@
-"""Guided decoding (`response_format` json_object / json_schema) with llguidance.
+"""Guided decoding (`response_format`, `guided_*`, `structured_outputs`, tool calls) with llguidance.
 
 llguidance compiles a JSON schema into a grammar and computes the allowed-token bitmask of a
 sequence in tens of microseconds from its own tokenizer trie; it is what vLLM, SGLang and
@@ -11,52 +11,20 @@ every sampled token back.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import numpy as np
 import torch
 
+from lockstep_engine.guided_schema import GuidedDecodingError, compile_guided, is_available, llguidance_module
+
 MATCHER_ATTR = "guided_matcher"
-# Compact JSON: flexible whitespace lets a small model wander into endless blanks.
-_JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-class GuidedDecodingError(ValueError):
-    """A schema that cannot be compiled; the message says why."""
-
-
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError:  # the engine extra installs it; a bare torch install may not have it
-        return None
-    return llguidance
-
-
-def is_available() -> bool:
-    return _llguidance() is not None
-
-
-def compile_json_schema(schema: dict[str, Any]) -> str:
-    """Returns the llguidance grammar for a JSON schema; raises GuidedDecodingError when it is invalid."""
-    llguidance = _llguidance()
-    if llguidance is None:
-        raise GuidedDecodingError("guided decoding needs the 'llguidance' package (pip install llguidance)")
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
-    except (ValueError, TypeError) as error:
-        raise GuidedDecodingError(f"not a valid JSON schema: {error}") from None
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise GuidedDecodingError(f"unsupported JSON schema: {problem}")
-    return grammar
 
 
 class GuidedDecoding:
     """Builds the per-window `Guide` for `ModelRunner.guide_factory` (one per engine, holds the tokenizer)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
-        llguidance = _llguidance()
+        llguidance = llguidance_module()
         if llguidance is None:
             raise GuidedDecodingError("guided decoding needs the 'llguidance' package (pip install llguidance)")
         import llguidance.hf
@@ -68,17 +36,18 @@ class GuidedDecoding:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
-        self._grammars: dict[str, str] = {}  # schema JSON -> compiled grammar
+        self._grammars: dict[str, str] = {}  # guided spec JSON -> compiled grammar
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def matcher_for(self, seq):
         """The sequence's matcher, created on first use and caught up with tokens it already has."""
         matcher = getattr(seq, MATCHER_ATTR, None)
         if matcher is None:
-            key = json.dumps(seq.request.params.json_schema, sort_keys=True)
+            spec = seq.request.params.guided_spec
+            key = json.dumps(spec, sort_keys=True)
             grammar = self._grammars.get(key)
             if grammar is None:
-                grammar = self._grammars[key] = compile_json_schema(seq.request.params.json_schema)
+                grammar = self._grammars[key] = compile_guided(spec)
             matcher = self._llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
             for token in seq.output_token_ids:
                 matcher.consume_token(token)
@@ -86,7 +55,7 @@ class GuidedDecoding:
         return matcher
 
     def __call__(self, rows) -> "WindowGuide":
-        matchers = [self.matcher_for(row.seq) if row.seq.request.params.json_schema is not None else None
+        matchers = [self.matcher_for(row.seq) if row.seq.request.params.guided_spec is not None else None
                     for row in rows]
         return WindowGuide(self, matchers)
 

@@ -1,7 +1,8 @@
 """Engine metrics: step timing from `CoreStats`, request latencies from the token stream, one /metrics.
 
 Two halves, one per process of `lockstep serve`:
-* `CoreMetrics` lives in the engine-core process. After each window it turns the `CoreStats` deltas
+* `CoreMetrics` lives in the engine-core process. After each window it turns a `CoreStats` snapshot
+  (`EngineCore.take_stats()`: the counters, and the per-step samples since the previous snapshot)
   and the window's `WindowTimings` into cumulative histogram buckets and counters (plain Python: a
   bisect and an add per observation, nothing on the device), and `snapshot()` packs them into a
   `lockstep.protocol.CoreMetrics` message. Snapshots are cumulative, so the API server only keeps the
@@ -11,7 +12,7 @@ Two halves, one per process of `lockstep serve`:
   writes the engine's /metrics text at scrape time: its own state, the latest core snapshot and the
   scheduler gauges (`lockstep_*` plus vLLM's routing names).
 
-Names, labels and buckets come from `lockstep.metrics_names` (DESIGN.md §6).
+Names, labels and buckets come from `lockstep.metrics_names` (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prometheus_client.utils import floatToGoString
 
 from lockstep import metrics_names as n
 from lockstep import protocol as p
+from lockstep import vllm_metrics as v
 
 
 @dataclass(frozen=True)
@@ -112,12 +114,10 @@ class CoreMetrics:
         self._update_s = 0.0
         self.changed = False
 
-    def record_window(self, core, timings) -> None:
-        """Consumes the window `core.step` just ran: its `WindowTimings` and the `CoreStats` deltas.
-
-        The per-step lists of `CoreStats` are emptied here, so a long-running server's memory stays flat.
-        """
-        stats, s = core.stats, self.series
+    def record_window(self, stats, timings) -> None:
+        """Observes the window `EngineCore.step` just ran: its `WindowTimings` and `stats`, the core's
+        `CoreStats` snapshot taken after it (counters are cumulative, their deltas are observed)."""
+        s = self.series
         prompt_delta = stats.num_prompt_tokens_computed - self._prompt_tokens
         first = "prefill" if prompt_delta > 0 else "decode"
         # Device timings, harvested as the device finishes them (a step may land a window late): each
@@ -144,9 +144,6 @@ class CoreMetrics:
         s.inc(n.WASTED_TOKENS, (), stats.num_wasted_tokens - self._wasted)
         self._prompt_tokens, self._wasted = stats.num_prompt_tokens_computed, stats.num_wasted_tokens
         self._schedule_s, self._update_s = stats.schedule_s, stats.update_s
-        for values in (stats.gaps_s, stats.boundary_gaps_s, stats.decode_step_s, stats.decode_step_batch,
-                       stats.window_steps, stats.step_batch_sizes, stats.first_step_tokens, stats.queue_times_s):
-            values.clear()
         self.changed = True
 
     def _gap(self, phase: str, boundary: str, seconds: float) -> None:
@@ -181,6 +178,9 @@ def _request_specs(max_model_len: int) -> dict[str, Spec]:
         Spec(n.GENERATION_TOKENS, "counter", "Tokens generated and returned (as usage counts them)"),
         Spec(n.REQUESTS_FINISHED, "counter", "Samples (choices) that ended, by how: stop, length, abort (client gone "
              "or shutdown) or error (engine core lost)", ("reason",)),
+        # vLLM's series observed here (lockstep.vllm_metrics); label `engine` after `model_name`, as vLLM.
+        *(Spec(m.name, m.kind, m.help, ("engine",), v.buckets_of(m, max_model_len))
+          for m in v.METRICS if m.name in v.OBSERVED_HISTOGRAMS),
     )}
 
 
@@ -188,6 +188,9 @@ def _request_specs(max_model_len: int) -> dict[str, Spec]:
 class _Tracked:
     arrival: float
     prompt_len: int
+    n: int = 1
+    max_tokens: int | None = None
+    scheduled_at: float | None = None  # the core's first schedule of the request (same host clock)
     first_token_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)  # per sample index
     num_tokens: dict[int, int] = field(default_factory=dict)  # per sample index, as counted so far
@@ -202,6 +205,7 @@ class ServerMetrics:
         self.series = _Series(self.specs)
         self.ready: p.CoreReady | None = None
         self.enable_prefix_caching = True
+        self.gpu_memory_utilization = 0.9
         self._stats: Callable[[], p.EngineStats | None] = lambda: None
         self._core: Callable[[], p.CoreMetrics | None] = lambda: None
         self._requests: dict[str, _Tracked] = {}
@@ -210,24 +214,30 @@ class ServerMetrics:
         self._bucket_text: dict[tuple, list[str]] = {}
 
     def attach(self, model_name: str, ready: p.CoreReady, enable_prefix_caching: bool,
-               stats: Callable[[], p.EngineStats | None], core: Callable[[], p.CoreMetrics | None]) -> None:
+               stats: Callable[[], p.EngineStats | None], core: Callable[[], p.CoreMetrics | None],
+               gpu_memory_utilization: float = 0.9) -> None:
         """Called once the core is ready: names the model, fixes the length buckets, and says where the
         scheduler gauges (`stats`) and the core's latest snapshot (`core`) are read at scrape time."""
         self.model_name, self.ready, self.enable_prefix_caching = model_name, ready, enable_prefix_caching
+        self.gpu_memory_utilization = gpu_memory_utilization
         self._stats, self._core = stats, core
         self.specs.update(_request_specs(ready.max_model_len))
-        for name in (n.REQUEST_PROMPT_TOKENS, n.REQUEST_GENERATION_TOKENS):
+        for name in (n.REQUEST_PROMPT_TOKENS, n.REQUEST_GENERATION_TOKENS, v.REQUEST_MAX_NUM_GENERATION_TOKENS,
+                     v.REQUEST_PARAMS_MAX_TOKENS):  # their buckets follow max_model_len
             self.series.histograms.pop(name, None)
 
     def detach(self) -> None:
         self._stats, self._core = (lambda: None), (lambda: None)
 
     # ---- request lifecycle (API server's event loop) -----------------------------------------
-    def request_started(self, request_id: str, arrival: float, prompt_len: int) -> None:
-        self._requests[request_id] = _Tracked(arrival, prompt_len)
+    def request_started(self, request_id: str, arrival: float, prompt_len: int, n: int = 1,
+                        max_tokens: int | None = None) -> None:
+        self._requests[request_id] = _Tracked(arrival, prompt_len, n, max_tokens)
 
-    def tokens_received(self, request_id: str, index: int, num_tokens: int, now: float) -> None:
-        """`num_tokens`: the sample's token count after this output (what `usage` will report)."""
+    def tokens_received(self, request_id: str, index: int, num_tokens: int, now: float,
+                        scheduled_at: float | None = None) -> None:
+        """`num_tokens`: the sample's token count after this output (what `usage` will report);
+        `scheduled_at`: when the core first scheduled the request (vLLM's queue / prefill split)."""
         tracked = self._requests.get(request_id)
         if tracked is None:
             return
@@ -239,11 +249,18 @@ class ServerMetrics:
             tracked.first_token_at = now
             s.observe(n.TTFT, (), now - tracked.arrival)
             s.inc(n.PROMPT_TOKENS, (), tracked.prompt_len)
+            s.observe(v.REQUEST_PARAMS_N, _ENGINE, tracked.n)
+            if scheduled_at is not None:
+                tracked.scheduled_at = scheduled_at
+                s.observe(v.REQUEST_QUEUE_TIME, _ENGINE, max(scheduled_at - tracked.arrival, 0.0))
         last = tracked.last_token_at.get(index)
         if last is not None:
             per_token = (now - last) / new
             for _ in range(new):
                 s.observe(n.ITL, (), per_token)
+            # vLLM: one observation per output of a request, the time since its previous one.
+            s.observe(v.INTER_TOKEN_LATENCY, _ENGINE, now - last)
+            s.observe(v.TIME_PER_OUTPUT_TOKEN, _ENGINE, now - last)
         tracked.last_token_at[index] = now
         tracked.num_tokens[index] = num_tokens
         s.inc(n.GENERATION_TOKENS, (), new)
@@ -259,6 +276,14 @@ class ServerMetrics:
         if tracked.first_token_at is not None:
             s.observe(n.REQUEST_PROMPT_TOKENS, (), tracked.prompt_len)
             s.observe(n.REQUEST_GENERATION_TOKENS, (), sum(tracked.num_tokens.values()))
+            s.observe(v.REQUEST_MAX_NUM_GENERATION_TOKENS, _ENGINE, max(tracked.num_tokens.values()))
+            if tracked.max_tokens is not None:
+                s.observe(v.REQUEST_PARAMS_MAX_TOKENS, _ENGINE, tracked.max_tokens)
+            last = max(tracked.last_token_at.values())
+            s.observe(v.REQUEST_DECODE_TIME, _ENGINE, last - tracked.first_token_at)
+            if tracked.scheduled_at is not None:
+                s.observe(v.REQUEST_PREFILL_TIME, _ENGINE, max(tracked.first_token_at - tracked.scheduled_at, 0.0))
+                s.observe(v.REQUEST_INFERENCE_TIME, _ENGINE, max(last - tracked.scheduled_at, 0.0))
 
     def observe_host_phase(self, phase: str, seconds: float) -> None:
         self.series.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
@@ -296,8 +321,8 @@ class ServerMetrics:
                     out.append(f"{name}{{{self._labels(spec, key)}}} {float(value)!r}\n")
                 continue
             values = histograms.get(name, {})
-            if attached and not spec.labels:
-                values.setdefault((), ([0] * (len(spec.buckets) + 1), 0.0))
+            if attached and spec.labels in ((), ("engine",)):
+                values.setdefault(_ENGINE if spec.labels else (), ([0] * (len(spec.buckets) + 1), 0.0))
             for key, (counts, total) in sorted(values.items()):
                 lines = self._bucket_lines(name, spec, key)
                 if len(counts) != len(lines):
@@ -308,7 +333,46 @@ class ServerMetrics:
                     out.append(f"{line}{running}\n")
                 labels = self._labels(spec, key)
                 out.append(f"{name}_count{{{labels}}} {running}\n{name}_sum{{{labels}}} {float(total)!r}\n")
+        self._render_vllm_aliases(out, histograms, counters, attached)
         return "".join(out)
+
+    def _render_vllm_aliases(self, out: list[str], histograms: dict, counters: dict, attached: bool) -> None:
+        """vLLM's series that share a lockstep_ series' observations (summed over its labels, e.g. the
+        phase of lockstep_step_tokens), and vllm:request_success from lockstep_requests_finished_total."""
+        labels = f'model_name="{_escape(self.model_name)}",engine="{v.ENGINE_INDEX}"'
+        for metric in v.METRICS:
+            if metric.kind == "counter":
+                out.append(self._header(metric.name, metric.help, "counter"))
+                if metric.name == v.REQUEST_SUCCESS:
+                    by_reason = dict.fromkeys(v.FINISHED_REASONS, 0.0) if attached else {}
+                    for (reason,), value in counters.get(n.REQUESTS_FINISHED, {}).items():
+                        key = reason if reason in v.FINISHED_REASONS else "abort"  # error: the core was lost
+                        by_reason[key] = by_reason.get(key, 0.0) + value
+                    for reason, value in by_reason.items():
+                        out.append(f'{metric.name}_total{{{labels},finished_reason="{reason}"}} {float(value)!r}\n')
+                    continue
+                values = counters.get(metric.alias, {})
+                if values or attached:
+                    out.append(f"{metric.name}_total{{{labels}}} {float(sum(values.values()))!r}\n")
+                continue
+            if metric.kind != "histogram" or metric.alias is None:
+                continue
+            bounds = self.specs[metric.alias].buckets
+            out.append(self._header(metric.name, metric.help, "histogram"))
+            values = histograms.get(metric.alias, {})
+            if not values and not attached:
+                continue
+            counts, total = [0] * (len(bounds) + 1), 0.0
+            for series_counts, series_sum in values.values():
+                if len(series_counts) == len(counts):
+                    counts = [a + b for a, b in zip(counts, series_counts)]
+                    total += series_sum
+            running = 0
+            for line, count in zip(self._bucket_lines(metric.name, Spec(metric.name, "histogram", "", ("engine",),
+                                                                       bounds), _ENGINE), counts):
+                running += count
+                out.append(f"{line}{running}\n")
+            out.append(f"{metric.name}_count{{{labels}}} {running}\n{metric.name}_sum{{{labels}}} {float(total)!r}\n")
 
     def _header(self, name: str, help_text: str, kind: str) -> str:
         header = self._headers.get(name)
@@ -345,20 +409,29 @@ class ServerMetrics:
             (n.VLLM_WAITING, "Number of requests waiting to be processed.", stats.num_waiting),
             (n.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
         ):
-            out.append(f'{self._header(name, help_text, "gauge")}{name}{{model_name="{model}"}} {float(value)!r}\n')
+            engine = f',engine="{v.ENGINE_INDEX}"' if name.startswith("vllm:") else ""
+            out.append(f'{self._header(name, help_text, "gauge")}{name}{{model_name="{model}"{engine}}} '
+                       f'{float(value)!r}\n')
         ready = self.ready
         if ready is None:
             return
-        info = {"model_name": self.model_name, "block_size": ready.block_size, "num_gpu_blocks": ready.num_blocks,
-                "enable_prefix_caching": self.enable_prefix_caching,
-                "num_scheduler_steps": ready.num_scheduler_steps}
-        labels = ",".join(f'{k}="{_escape(str(v))}"' for k, v in info.items())
-        out.append(f"{self._header(n.VLLM_CACHE_CONFIG, 'Information of the KV cache configuration (value 1).', 'gauge')}"
-                   f"{n.VLLM_CACHE_CONFIG}{{{labels}}} 1.0\n")
+        info = {"block_size": ready.block_size, "cache_dtype": "auto",
+                "enable_prefix_caching": self.enable_prefix_caching, "engine": v.ENGINE_INDEX,
+                "gpu_memory_utilization": self.gpu_memory_utilization, "model_name": self.model_name,
+                "num_gpu_blocks": ready.num_blocks, "num_scheduler_steps": ready.num_scheduler_steps}
+        labels = ",".join(f'{k}="{_escape(str(value))}"' for k, value in info.items())
+        cache = v.BY_NAME[v.CACHE_CONFIG_INFO]
+        out.append(f"{self._header(cache.name, cache.help, 'gauge')}{cache.name}{{{labels}}} 1.0\n")
+        lora = v.BY_NAME[v.LORA_REQUESTS_INFO]
+        out.append(f'{self._header(lora.name, lora.help, "gauge")}{lora.name}{{max_lora="0",'
+                   f'waiting_lora_adapters="",running_lora_adapters=""}} {time.time()!r}\n')
         method = "cuda_events" if ready.device.startswith("cuda") else "host_clock"
         help_text = "How step durations and gaps are timed (value 1): cuda_events on the compute stream, or host_clock"
         out.append(f'{self._header(n.STEP_TIMER_INFO, help_text, "gauge")}'
                    f'{n.STEP_TIMER_INFO}{{model_name="{model}",method="{method}"}} 1.0\n')
+
+
+_ENGINE = (v.ENGINE_INDEX,)  # the label values of vLLM's engine series after model_name
 
 
 def _escape(value: str) -> str:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lockstep_engine.config import ConfigError
+
+INT64_MAX = 2**63 - 1  # the engine keeps top_k, max_tokens, min_tokens and seeds in int64 tensors
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class SamplingParamsError(ConfigError):
@@ -14,7 +20,10 @@ class SamplingParamsError(ConfigError):
 
     def __init__(self, param: str, value: Any, allowed: str):
         self.param = param
-        super().__init__(f"{param}={value!r} is invalid: expected {allowed}")
+        shown = repr(value)
+        if len(shown) > 80:  # a 4000-digit integer or a long string: enough to recognise it
+            shown = f"{shown[:60]}...<{len(shown)} characters>"
+        super().__init__(f"{param}={shown} is invalid: expected {allowed}")
 
 
 def _check(ok: bool, param: str, value: Any, allowed: str) -> None:
@@ -26,8 +35,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_int64(value: Any, low: int = 0) -> bool:
+    return _is_int(value) and low <= value <= INT64_MAX
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 @dataclass
@@ -51,6 +69,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     json_schema: dict | None = None  # guided decoding; None: unconstrained
+    guided: dict | None = None  # a guided spec (guided_schema.GUIDED_KINDS); wins over json_schema
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,19 +86,22 @@ class SamplingParams:
         _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", self.temperature,
                "a number in [0, 100]")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "-1, 0 (off) or a positive integer")
+        _check(_is_int64(self.top_k), "top_k", self.top_k, f"-1, 0 (off) or an integer in [1, {INT64_MAX}]")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "a number in [0, 1]")
         if self.seed is not None:
             _check(_is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", self.seed, "a 64-bit integer")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
-        _check(len(self.stop) <= 16, "stop", self.stop, "at most 16 stop strings")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
-               "non-negative token ids")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"<{len(self.stop)} strings>",
+               f"at most {MAX_STOP_STRINGS} stop strings")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               next((s for s in self.stop if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS), None),
+               f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"<{len(self.stop_token_ids)} ids>", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        bad = next((t for t in self.stop_token_ids if not _is_int64(t)), None)
+        _check(bad is None, "stop_token_ids", bad, "non-negative token ids")
         if self.max_tokens is not None:
-            _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-                   "a positive integer")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
-               "a non-negative integer")
+            _check(_is_int64(self.max_tokens, 1), "max_tokens", self.max_tokens, f"an integer in [1, {INT64_MAX}]")
+        _check(_is_int64(self.min_tokens), "min_tokens", self.min_tokens, f"an integer in [0, {INT64_MAX}]")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"at most max_tokens ({self.max_tokens})")
@@ -92,9 +114,27 @@ class SamplingParams:
             _check(_is_int(self.logprobs) and 0 <= self.logprobs <= max_logprobs, "logprobs", self.logprobs,
                    f"an integer in [0, {max_logprobs}]")
         if self.logit_bias:
+            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias", f"<{len(self.logit_bias)} entries>",
+                   f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
             for token, bias in self.logit_bias.items():
-                _check(_is_int(token) and token >= 0, "logit_bias", token, "non-negative token ids as keys")
+                _check(_is_int64(token), "logit_bias", token, "non-negative token ids as keys")
                 _check(_is_number(bias) and -100.0 <= bias <= 100.0, "logit_bias", bias, "biases in [-100, 100]")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain data, as `lockstep.protocol.AddRequest.sampling` carries them."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """The inverse of `to_dict`; validates again (ValueError naming the field, TypeError on an unknown key)."""
+        return cls(**data)
+
+    @property
+    def guided_spec(self) -> dict | None:
+        """The request's grammar constraint as a guided spec; None: unconstrained."""
+        if self.guided is not None:
+            return self.guided
+        return None if self.json_schema is None else {"json": self.json_schema}
 
     @property
     def is_greedy(self) -> bool:

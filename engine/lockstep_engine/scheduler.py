@@ -47,10 +47,6 @@ class WindowPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(row.num_new_tokens for row in self.rows if row.num_new_tokens > 1 or not row.samples)
-
-    @property
     def sampling_rows(self) -> list[ScheduledSeq]:
         return [row for row in self.rows if row.samples]
 

@@ -116,9 +116,5 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def needs_fork(self) -> bool:
-        return not self.forked
-
-    @property
     def is_finished(self) -> bool:
         return self.forked and all(seq.is_finished for seq in self.sequences)

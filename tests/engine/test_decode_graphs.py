@@ -5,7 +5,7 @@ including windows of decode rows only, which replay from their first step on."""
 import pytest
 import torch
 
-from lockstep_engine.cuda_graphs import DecodeGraphs
+from lockstep_engine.runner.cuda_graphs import DecodeGraphs
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 
@@ -26,11 +26,11 @@ def _tokens(llm: LLM, params) -> list[list[int]]:
 @pytest.mark.parametrize("steps", [1, 8])
 def test_replayed_windows_give_the_eager_tokens(steps, monkeypatch):
     llm = LLM("random:tiny", device="cpu", num_scheduler_steps=steps, num_gpu_blocks_override=256, max_num_seqs=8)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.graphs is None  # the CPU runs eagerly
     eager = _tokens(llm, _params())
 
-    runner.graphs = DecodeGraphs(runner, capture=False)
+    runner.graphs = DecodeGraphs(runner.steps, capture=False)
     replayed = []
     replay_window = runner._replay_window
     monkeypatch.setattr(runner, "_replay_window",
@@ -43,10 +43,10 @@ def test_replayed_windows_give_the_eager_tokens(steps, monkeypatch):
 
 def test_windows_needing_the_host_per_step_stay_eager(monkeypatch):
     llm = LLM("random:tiny", device="cpu", num_scheduler_steps=4, num_gpu_blocks_override=256, max_num_seqs=8)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     params = [SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)]
     eager = llm.generate(PROMPTS[:1], params)[0].outputs[0]
-    runner.graphs = DecodeGraphs(runner, capture=False)
+    runner.graphs = DecodeGraphs(runner.steps, capture=False)
     replayed = []
     monkeypatch.setattr(runner, "_replay_window", lambda *args: replayed.append(args))
     again = llm.generate(PROMPTS[:1], params)[0].outputs[0]
@@ -63,15 +63,15 @@ def test_captured_graphs_give_the_eager_tokens_on_cuda(steps):
     common = dict(num_scheduler_steps=steps, num_gpu_blocks_override=256, max_num_seqs=8, dtype="float32")
     eager = LLM("random:tiny", enforce_eager=True, **common)
     graphed = LLM("random:tiny", **common)
-    assert eager.engine.runner.graphs is None and graphed.engine.runner.graphs is not None
+    assert eager.engine.executor.runner.graphs is None and graphed.engine.executor.runner.graphs is not None
     assert _tokens(graphed, _params()) == _tokens(eager, _params())
-    assert graphed.engine.runner.graphs.graphs  # captured at least one bucket
+    assert graphed.engine.executor.runner.graphs.graphs  # captured at least one bucket
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend needs a CUDA device")
 def test_engines_sharing_a_model_run_the_attention_backend_they_ask_for():
     base = LLM("random:tiny", num_gpu_blocks_override=256, max_num_seqs=8, dtype="float32")
-    runner = base.engine.runner
+    runner = base.engine.executor.runner
     assert runner.backend.name == "triton" and runner.graphs is not None
     triton_tokens = _tokens(base, _params())
     reference = LLM("random:tiny", share_model_with=base, attention_backend="torch", max_num_seqs=8)

@@ -2,7 +2,8 @@
 
 from types import SimpleNamespace
 
-from lockstep_engine.model_runner import StepMerger, StepOutput, split_micro_batches
+from lockstep_engine.runner.outputs import StepOutput
+from lockstep_engine.runner.pipelined import StepMerger, split_micro_batches
 
 
 def _rows(*specs):
@@ -40,10 +41,10 @@ def test_merger_joins_parts_in_row_order_and_delivers_steps_in_order():
     assert got[1].logprobs is None
 
 
-def test_stage_layers_balance_the_lm_head_and_honour_an_explicit_partition(monkeypatch):
+def test_stage_layers_balance_the_lm_head_and_honour_an_explicit_partition():
     import pytest
 
-    from lockstep_engine.models.llama import stage_layers
+    from lockstep_engine.parallel import stage_layers
 
     def layout(num_layers, pp, head=0.0, partition=None):
         ranges = [stage_layers(num_layers, r, pp, head, partition) for r in range(pp)]
@@ -55,7 +56,23 @@ def test_stage_layers_balance_the_lm_head_and_honour_an_explicit_partition(monke
     assert layout(30, 2, 8.0) == [19, 11]  # SmolLM2: the tied head weighs 8 layers
     assert layout(32, 2, 2.41) == [17, 15]  # Llama-3-8B
     assert layout(4, 4, 10.0) == [1, 1, 1, 1]  # never an empty stage
-    assert layout(30, 2, partition="20,10") == [20, 10]
-    for bad in ("20,11", "30", "a,b", "30,0"):
-        with pytest.raises(ValueError, match=f"LOCKSTEP_PP_LAYER_PARTITION='{bad}' is invalid"):
-            stage_layers(30, 0, 2, 0.0, bad)
+    assert layout(30, 2, partition=(20, 10)) == [20, 10]
+    with pytest.raises(ValueError, match="pipeline_layer_partition='20,11' is invalid: expected layer counts "
+                                         "summing to the model's 30 layers"):
+        stage_layers(30, 0, 2, 0.0, (20, 11))
+
+
+def test_layer_partition_is_an_engine_argument_checked_once():
+    import pytest
+
+    from lockstep_engine.config import ConfigError, EngineConfig
+
+    config = EngineConfig(model="random:tiny", pipeline_parallel_size=2, pipeline_layer_partition="20,10")
+    assert config.pipeline_layer_partition == (20, 10)
+    assert EngineConfig(model="random:tiny", pipeline_parallel_size=2,
+                        pipeline_layer_partition=[20, 10]).pipeline_layer_partition == (20, 10)  # from JSON
+    assert EngineConfig(model="random:tiny").pipeline_layer_partition is None
+    for bad in ("30", "a,b", "30,0", "10,10,10"):
+        with pytest.raises(ConfigError, match=f"pipeline_layer_partition='{bad}' is invalid: expected 2 "
+                                              "comma-separated layer counts, each >= 1"):
+            EngineConfig(model="random:tiny", pipeline_parallel_size=2, pipeline_layer_partition=bad)

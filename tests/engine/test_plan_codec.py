@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lockstep_engine.block_manager import BlockManager
-from lockstep_engine.plan_codec import PlanCodecError, PlanDecoder, PlanEncoder
+from lockstep_engine.group.plan_codec import PlanCodecError, PlanDecoder, PlanEncoder
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, WindowPlan
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
@@ -292,6 +292,6 @@ def test_two_unfinished_requests_with_one_id_stop_the_encoder(second_index, erro
 
 
 def test_the_codec_imports_no_torch():
-    code = "import sys, lockstep_engine.plan_codec; print('torch' in sys.modules)"
+    code = "import sys, lockstep_engine.group.plan_codec; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

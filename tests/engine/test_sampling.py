@@ -2,8 +2,6 @@
 
 import pickle
 
-import pytest
-
 from lockstep import protocol as p
 from lockstep_engine.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ from lockstep_engine.sampler import row_seed
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.scheduler import ScheduledSeq
 from lockstep_engine.sequence import Request
-from lockstep_engine.step_inputs import (SamplingCache, first_step_arrays, packed_to_device, pad_rows,
+from lockstep_engine.runner.step_inputs import (SamplingCache, first_step_arrays, packed_to_device, pad_rows,
                                          sampling_arrays, to_device)
 
 BLOCK_SIZE = 4

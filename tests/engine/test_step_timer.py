@@ -16,8 +16,9 @@ import torch
 from lockstep_engine.engine_core import CoreStats
 from lockstep_engine.llm import LLM
 from lockstep_engine.metrics import CoreMetrics
-from lockstep_engine.model_runner import (HostRing, StepClock, StepOutput, StepStream, StepTag, StepTiming,
-                                          WindowTimings)
+from lockstep_engine.runner.host_stream import HostRing, StepStream
+from lockstep_engine.runner.outputs import StepOutput, StepTag, StepTiming, WindowTimings
+from lockstep_engine.runner.step_clock import StepClock
 from lockstep_engine.sampling_params import SamplingParams
 
 from lockstep import metrics_names as n
@@ -262,7 +263,7 @@ def test_cuda_events_and_pinned_ring_time_a_window_without_waiting_on_the_clock(
 def test_engine_steps_pair_with_their_timings(tiny):
     llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=4, num_gpu_blocks_override=256,
               max_num_seqs=8)
-    forced_before = llm.engine.runner.clock.num_forced_syncs
+    forced_before = llm.engine.executor.runner.clock.num_forced_syncs
     prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i]} for i in range(5)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
     stats = llm.engine.core.stats
@@ -272,7 +273,7 @@ def test_engine_steps_pair_with_their_timings(tiny):
     assert len(stats.decode_step_s) == len(stats.decode_step_batch) == len(stats.gaps_s) == decode_steps
     assert set(stats.decode_step_batch) <= set(range(1, 6)) and stats.forward_s > 0
     assert len(stats.boundary_gaps_s) == stats.num_windows - 1  # one batch, back to back after the first
-    assert llm.engine.runner.clock.num_forced_syncs == forced_before
+    assert llm.engine.executor.runner.clock.num_forced_syncs == forced_before
 
 
 def test_a_step_harvested_a_window_late_keeps_its_own_phase_and_boundary():
@@ -283,7 +284,7 @@ def test_a_step_harvested_a_window_late_keeps_its_own_phase_and_boundary():
     late_prefill = StepTiming(StepTag(1, "prefill", 0), 0.030, None)  # a prefill-only window's forward
     steps = [late_prefill, StepTiming(StepTag(1, "decode", 3), 0.002, 4e-4),
              StepTiming(StepTag(2, "decode", 3), 0.002, 5e-6)]
-    metrics.record_window(core, WindowTimings(num_steps=2, steps=steps))
+    metrics.record_window(core.stats.take(), WindowTimings(num_steps=2, steps=steps))
     snapshot = metrics.snapshot(core)
     assert snapshot.counters[n.STEPS] == {("prefill", "window_start"): 1, ("decode", "window_start"): 1,
                                           ("decode", "intra"): 1}

@@ -110,7 +110,7 @@ def test_prompt_errors(tiny):
 
 
 def test_layout_rejected_by_model():
-    from lockstep_engine.models.llama import stage_layers
+    from lockstep_engine.parallel import stage_layers
 
     with pytest.raises(ValueError, match="pipeline_parallel_size=5 exceeds the model's 4 layers"):
         stage_layers(4, 0, 5)

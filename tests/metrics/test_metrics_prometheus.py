@@ -87,7 +87,8 @@ def traffic(server, prometheus):
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             until = time.monotonic() + LOAD_S
-            await asyncio.gather(*[_worker(client, server.url, server.model, w, until, results) for w in range(WORKERS)])
+            workers = [_worker(client, server.url, server.model, w, until, results) for w in range(WORKERS)]
+            await asyncio.gather(*workers)
 
     t0, m0 = time.time(), time.monotonic()
     asyncio.run(run())

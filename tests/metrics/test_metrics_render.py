@@ -13,7 +13,7 @@ import httpx
 import pytest
 from lockstep_engine.engine_core import CoreStats
 from lockstep_engine.metrics import CoreMetrics
-from lockstep_engine.model_runner import StepTag, StepTiming, WindowTimings
+from lockstep_engine.runner.outputs import StepTag, StepTiming, WindowTimings
 
 from lockstep import metrics_names as n
 from lockstep import protocol as p
@@ -39,7 +39,7 @@ def _window(core, metrics: CoreMetrics, prompt_tokens: int, batch: int, boundary
     first = StepTiming(StepTag(1, "prefill" if prompt_tokens else "decode", batch), 0.004, boundary_gap)
     steps = [first] + [StepTiming(StepTag(k, "decode", batch), 0.001, 3e-6) for k in range(2, N + 1)]
     timings = WindowTimings(prepare_s=5e-5, output_s=3e-4, num_steps=N, steps=steps)
-    metrics.record_window(core, timings)
+    metrics.record_window(core.stats.take(), timings)
 
 
 def test_record_window_splits_phases_boundaries_and_tokens():

@@ -113,7 +113,10 @@ def test_window_length_histogram_counts_windows_of_n(server):
     answer = server.complete(prompt=list(range(300, 311)), max_tokens=5 * N, ignore_eos=True)
     assert answer["usage"]["completion_tokens"] == 5 * N
     after = _settled(server, before, {f"{n.WINDOW_STEPS}_count": 5})
-    window = lambda le: _delta(before, after, f"{n.WINDOW_STEPS}_bucket", le=le)
+
+    def window(le: str) -> float:
+        return _delta(before, after, f"{n.WINDOW_STEPS}_bucket", le=le)
+
     assert window(str(float(N))) - window(str(float(N - 1))) == 5
     assert _delta(before, after, f"{n.WINDOW_STEPS}_sum") == 5 * N
     assert _delta(before, after, n.STEPS, boundary="window_start") == 5
@@ -176,7 +179,8 @@ def test_prefix_cache_queries_and_hits_count_tokens(server):
     """The same 40-token prompt twice: each looks up 39 tokens; the second finds the 2 full blocks."""
     _idle(server)
     before = server.scrape()
-    prompt = list(range(400, 440))
+    # Token ids above 900: no other test's prompt (the Prometheus load uses 1..900) starts like this one.
+    prompt = list(range(901, 941))
     for _ in range(2):
         server.complete(prompt=prompt, max_tokens=2 * N, ignore_eos=True)
     _settled(server, before, {n.PREFIX_CACHE_QUERIES: 78, n.PREFIX_CACHE_HITS: 32})

@@ -2,10 +2,8 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -120,7 +118,7 @@ from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 llm = LLM("random:tiny", tensor_parallel_size=2, num_scheduler_steps=8, num_gpu_blocks_override=64)
 llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4))
-worker = llm.engine.runner._workers[0]
+worker = llm.engine.executor.workers[0]
 os.kill(worker.pid, signal.SIGKILL)
 worker.wait()
 started = time.monotonic()

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import json
+import re
 import time
+import traceback
+import uuid
+from urllib.parse import parse_qsl, urlencode
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -34,10 +40,11 @@ from lockstep_engine.api.openai_models import (
     TokenizeResponse,
     VersionResponse,
 )
+from lockstep_engine.api.server_defaults import ServerDefaults
 from lockstep_engine.api.serving import OpenAIServing
 from lockstep_engine.config import EngineConfig
+from lockstep_engine.log import log
 from lockstep_engine.model_config import ModelConfig
-from lockstep_engine.sources import log
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -52,6 +59,11 @@ class ServerSettings:
     request_idle_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
     core_timeouts: CoreTimeouts = field(default_factory=CoreTimeouts)
+    max_queued_requests: int | None = 1024  # beyond --max-num-seqs; None: unbounded
+    body_read_timeout_s: float = 60.0  # a request body must arrive within this, else 408
+    trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" is allowed
+    defaults: ServerDefaults = field(default_factory=ServerDefaults)  # chat template, role, sampling defaults
 
 
 class ServerState:
@@ -78,7 +90,10 @@ class ServerState:
     async def _load(self) -> None:
         """The core resolves and loads the model, then sends its config and tokenizer over."""
         try:
-            client = EngineCoreClient(self.engine_config, self.settings.core_timeouts)
+            queued = self.settings.max_queued_requests
+            client = EngineCoreClient(self.engine_config, self.settings.core_timeouts,
+                                      None if queued is None else self.engine_config.max_num_seqs + queued)
+            client.on_dead = self._core_died
             self.client = client
             await client.start()
             ready = await client.wait_ready()
@@ -92,9 +107,18 @@ class ServerState:
             return
         self.serving = OpenAIServing(client, config, model_config, ready.tokenizer,
                                      self.settings.served_model_names, self.settings.request_idle_timeout_s)
+        self.serving.tool_call_parser = self.settings.tool_call_parser
+        self.serving.defaults = self.settings.defaults
+        self.serving.trust_request_chat_template = self.settings.trust_request_chat_template
         self.collector = metrics.register_engine(client, self.settings.served_model_names[0])
         log(f"engine core ready (pid {ready.pid}, {ready.num_blocks} KV blocks of {ready.block_size}, "
             f"num_scheduler_steps={ready.num_scheduler_steps}, max_model_len={ready.max_model_len})")
+
+    def _core_died(self, reason: str) -> None:
+        """Fatal: requests in flight have failed; the process exits non-zero so its supervisor restarts it."""
+        log(f"error: the engine core died ({reason}); exiting")
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     async def stop(self) -> None:
         if self._loader is not None and not self._loader.done():
@@ -146,10 +170,11 @@ class ServerState:
 
 
 class GuardMiddleware:
-    """Auth for /v1, the request body limit (413), and counting generation requests in flight.
+    """Request ids, auth for /v1, the request body's size (413) and read time (408), undecodable text (400),
+    and counting generation requests in flight.
 
-    The body is read here (as FastAPI would anyway) so an oversized one is refused before any
-    parsing; the app then gets it replayed, and later `receive()` calls still see a disconnect.
+    The body is read here (as FastAPI would anyway) so an oversized, slow or undecodable one is refused
+    before any parsing; the app then gets it replayed, and later `receive()` calls still see a disconnect.
     """
 
     def __init__(self, app, state: ServerState):
@@ -159,17 +184,42 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        request_id = _request_id(scope["headers"])
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        return await self._guard(scope, receive, send_with_id)
+
+    async def _guard(self, scope, receive, send):
         path = scope["path"]
         settings = self.state.settings
+        if _redact_query_key(scope):
+            return await error_response(400, "API keys in the query string are refused (they end up in logs); "
+                                             "send 'Authorization: Bearer KEY'", "api_key")(scope, receive, send)
         if settings.api_key and path.startswith("/v1"):
-            headers = dict(scope["headers"])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {settings.api_key}":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + settings.api_key.encode()):
                 return await error_response(401, "invalid or missing API key (expected 'Authorization: Bearer KEY')",
                                             None, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
-        body, too_large = await _read_body(scope, receive, settings.max_body_bytes)
+        try:
+            body, too_large = await asyncio.wait_for(_read_body(scope, receive, settings.max_body_bytes),
+                                                     settings.body_read_timeout_s)
+        except asyncio.TimeoutError:
+            return await error_response(408, f"the request body did not arrive within "
+                                             f"{settings.body_read_timeout_s:.0f} s", None,
+                                        {"Connection": "close"})(scope, receive, send)
         if too_large:
             return await error_response(413, f"request body larger than {settings.max_body_bytes} bytes",
                                         None, {"Connection": "close"})(scope, receive, send)
+        bad_text = _lone_surrogate(body)
+        if bad_text is not None:
+            return await error_response(400, f"{bad_text}: the text contains a lone UTF-16 surrogate, which is not "
+                                             f"valid Unicode", bad_text)(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -186,6 +236,59 @@ class GuardMiddleware:
             await self.app(scope, replay, send)
         finally:
             self.state.leave()
+
+
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+def _request_id(headers) -> str:
+    """The caller's X-Request-Id when it is a sane token (a gateway's id carries through), else a new one."""
+    for name, value in headers:
+        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
+            return value.decode()
+    return uuid.uuid4().hex
+
+
+def _redact_query_key(scope) -> bool:
+    """Replaces an `api_key` query parameter's value (the access log prints the query) and reports it."""
+    query = scope.get("query_string", b"")
+    if b"key" not in query.lower():
+        return False
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+    if not any(name.lower() in ("api_key", "api-key", "apikey", "key") for name, _ in pairs):
+        return False
+    scope["query_string"] = urlencode(
+        [(name, "REDACTED" if name.lower() in ("api_key", "api-key", "apikey", "key") else value)
+         for name, value in pairs]).encode("latin-1")
+    return True
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(body: bytes) -> str | None:
+    """The JSON path of a string with an unpaired surrogate escape (no tokenizer or encoder takes one)."""
+    if not _SURROGATE_ESCAPE.search(body):  # the common case: one scan, no parse
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # FastAPI reports the malformed body
+    stack = [(data, "body")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, where))
+                stack.append((item, key if where == "body" else f"{where}.{key}"))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}.{i}") for i, item in enumerate(value))
+    return None
 
 
 async def _read_body(scope, receive, limit: int) -> tuple[bytes, bool]:
@@ -238,9 +341,14 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
     app.state.server = state
     app.add_middleware(GuardMiddleware, state=state)
 
+    def error(request: Request, status: int, message: str, param=None, headers=None):
+        if status >= 500:  # the id finds the server log's lines about it
+            message = f"{message} (request id {request.state.request_id})"
+        return error_response(status, message, param, headers)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
+        return error(request, exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -249,12 +357,14 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+        return error(request, exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        log(f"error: {type(exc).__name__} while serving {request.url.path}: {exc}")
-        return error_response(500, f"internal error: {type(exc).__name__}")
+        trace = "".join(traceback.format_exception(exc))  # for the log only, never for the client
+        log(f"error: request {request.state.request_id}: {type(exc).__name__} while serving {request.url.path}:\n"
+            f"{trace}")
+        return error(request, 500, f"internal error: {type(exc).__name__}")
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
@@ -280,6 +390,19 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
              "root": engine_config.model, "parent": None, "max_model_len": serving.config.max_model_len}
             for name in serving.served_model_names]}
 
+    @app.get("/v1/models/{model_id:path}", responses=_ERROR_RESPONSES)
+    async def model(model_id: str):
+        serving = state.require_serving()
+        if model_id not in serving.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "lockstep",
+                "root": engine_config.model, "parent": None, "max_model_len": serving.config.max_model_len}
+
+    @app.api_route("/ping", methods=["GET", "POST"], responses={503: {"model": ErrorResponse}})
+    async def ping():
+        # vLLM's SageMaker-style liveness route: the same answer as /health.
+        return await health()
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         return await state.require_serving().create_completion(body, request)
@@ -290,11 +413,11 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):
-        return JSONResponse(state.require_serving().tokenize(body))
+        return JSONResponse(await asyncio.to_thread(state.require_serving().tokenize, body))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest):
-        return JSONResponse(state.require_serving().detokenize(body))
+        return JSONResponse(await asyncio.to_thread(state.require_serving().detokenize, body))
 
     return app
 

@@ -11,19 +11,24 @@ flight then ends with an error instead of hanging.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import multiprocessing
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 from lockstep import protocol as p
-from lockstep_engine.api import metrics
+from lockstep_engine.api import core_launch, metrics
+from lockstep_engine.log import log
 from lockstep_engine.output_processor import OutputProcessor, RequestState
-from lockstep_engine.sources import log
 
 WATCHDOG_INTERVAL_S = 0.25
 SHUTDOWN_TIMEOUT_S = 10.0
+MAX_PENDING_SENDS = 1024  # messages for the core not yet written to its pipe; beyond it new requests get 503
+
+
+class EngineBusyError(RuntimeError):
+    """The engine cannot take another request now (its queue is full); the client may retry later."""
 
 
 class EngineDeadError(RuntimeError):
@@ -64,41 +69,42 @@ class Generation:
 @dataclass
 class CoreTimeouts:
     startup_s: float = 1800.0  # loading a large model from a slow disk
-    heartbeat_s: float = 10.0  # no message at all from the core for this long: dead
+    heartbeat_s: float = 5.0  # no message at all from the core (heartbeats every 0.5 s) for this long: dead
     loop_stall_s: float = 300.0  # the loop made no progress (no step, no idle wait) for this long: stuck
 
 
 class EngineCoreClient:
-    def __init__(self, config, timeouts: CoreTimeouts | None = None):
+    def __init__(self, config, timeouts: CoreTimeouts | None = None, max_requests: int | None = None):
         self.config = config  # EngineConfig as given; the core resolves it against the model
         self.timeouts = timeouts or CoreTimeouts()
+        self.max_requests = max_requests  # core requests in flight (running + waiting); None: unbounded
+        self.on_dead = None  # called once with the reason when a loaded core dies or stops answering
         self.processor: OutputProcessor | None = None  # once the core sent the tokenizer
         self.ready: p.CoreReady | None = None
         self.stats = p.EngineStats()
         self.core_metrics: p.CoreMetrics | None = None  # the core's latest step-timing snapshot
         self.dead_reason: str | None = None
         self._generations: dict[str, Generation] = {}
-        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready_event: asyncio.Event | None = None
         self._last_heard = 0.0
         self._loop_progress_at = 0.0
         self._process = None
         self._send_conn = None
-        self._send_lock = threading.Lock()
+        # A sender thread writes to the pipe, so a core that stopped reading blocks it, not the event loop.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._watchdog: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         """Spawns the core process; returns at once (`wait_ready` waits for the model)."""
-        from lockstep_engine.entrypoints.core_proc import run_engine_core
-
         self._loop = asyncio.get_running_loop()
         self._ready_event = asyncio.Event()
         ctx = multiprocessing.get_context("spawn")
         to_core_recv, to_core_send = ctx.Pipe(duplex=False)
         from_core_recv, from_core_send = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=run_engine_core, args=(self.config, to_core_recv, from_core_send),
+        self._process = ctx.Process(target=core_launch.run_core,
+                                    args=(core_launch.CORE_ENTRY_POINT, self.config, to_core_recv, from_core_send),
                                     name="lockstep-engine-core")
         self._process.start()
         # Close our copies of the child's ends, so a dead child reads as EOF here.
@@ -107,6 +113,7 @@ class EngineCoreClient:
         self._send_conn = to_core_send
         self._last_heard = self._loop_progress_at = time.monotonic()
         threading.Thread(target=self._read, args=(from_core_recv,), name="lockstep-core-reader", daemon=True).start()
+        threading.Thread(target=self._write, args=(to_core_send,), name="lockstep-core-writer", daemon=True).start()
         self._watchdog = asyncio.create_task(self._watch())
 
     async def wait_ready(self) -> p.CoreReady:
@@ -127,10 +134,6 @@ class EngineCoreClient:
     def is_healthy(self) -> bool:
         return self.ready is not None and self.dead_reason is None
 
-    @property
-    def num_in_flight(self) -> int:
-        return len({id(g) for g in self._generations.values()})
-
     async def shutdown(self) -> None:
         """Stops the core: a Shutdown message, then terminate/kill after a timeout. Idempotent."""
         if self._watchdog is not None:
@@ -138,10 +141,14 @@ class EngineCoreClient:
         process = self._process
         if process is None:
             return
-        self._send(p.Shutdown())
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-        while process.is_alive() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if self.dead_reason is None:
+            self._send(p.Shutdown())
+            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+            while process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        elif process.is_alive():  # stuck or frozen (SIGSTOP): it cannot shut down by itself
+            process.kill()
+            process.join(5.0)
         if process.is_alive():
             process.terminate()
             process.join(5.0)
@@ -153,24 +160,25 @@ class EngineCoreClient:
             self._send_conn.close()
 
     # ---- requests ---------------------------------------------------------------------------
-    def new_request_id(self, kind: str) -> str:
-        return f"{kind}-{next(self._ids)}-{time.monotonic_ns() & 0xFFFFFF:06x}"
-
     def submit(self, request_ids: list[str], prompts: list[list[int]], params, prompt_texts: list[str | None]
                ) -> Generation:
         """Queues one core request per prompt (same params) and returns what to wait on."""
         if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "the engine core is not ready")
-        from lockstep_engine.entrypoints.core_proc import sampling_dict
-
-        sampling = sampling_dict(params)
+        if self.max_requests is not None and len(self._generations) + len(request_ids) > self.max_requests:
+            raise EngineBusyError(f"the engine has {len(self._generations)} requests in flight, its limit is "
+                                  f"{self.max_requests} (--max-num-seqs + --max-queued-requests); retry later")
+        if self._outbox.qsize() >= MAX_PENDING_SENDS:
+            raise EngineBusyError(f"the engine core is not reading its requests ({self._outbox.qsize()} queued); "
+                                  f"retry later")
+        sampling = params.to_dict()
         states = [self.processor.add_request(rid, text, ids, params)
                   for rid, ids, text in zip(request_ids, prompts, prompt_texts)]
         generation = Generation(list(request_ids), states)
         now = time.monotonic()
         for rid, ids in zip(request_ids, prompts):
             self._generations[rid] = generation
-            metrics.request_started(rid, now, len(ids))
+            metrics.request_started(rid, now, len(ids), params)
             self._send(p.AddRequest(rid, list(ids), sampling, now))
         return generation
 
@@ -195,13 +203,19 @@ class EngineCoreClient:
             self.processor.remove(rid)
 
     def _send(self, message) -> None:
-        if self._send_conn is None:
-            return
-        try:
-            with self._send_lock:
-                self._send_conn.send(message)
-        except (OSError, ValueError, EOFError) as error:
-            self._mark_dead(f"the engine core pipe is closed ({error})")
+        if self._send_conn is not None:
+            self._outbox.put(message)
+
+    def _write(self, conn) -> None:
+        while True:
+            message = self._outbox.get()
+            try:
+                conn.send(message)
+            except (OSError, ValueError, EOFError) as error:
+                self._loop.call_soon_threadsafe(self._mark_dead, f"the engine core pipe is closed ({error})")
+                return
+            if isinstance(message, p.Shutdown):
+                return
 
     # ---- what comes back --------------------------------------------------------------------
     def _read(self, conn) -> None:
@@ -241,7 +255,8 @@ class EngineCoreClient:
             self._loop_progress_at = time.monotonic()
             self._ready_event.set()
         elif isinstance(message, p.CoreFailed):
-            self._mark_dead(message.message)
+            log(f"error: {message.message}")  # the whole traceback goes to the log, its last line to clients
+            self._mark_dead(_summary(message.message))
 
     def _on_outputs(self, message: p.StepOutputs) -> None:
         for output in message.outputs:
@@ -257,7 +272,8 @@ class EngineCoreClient:
                 self.abort(generation)
                 continue
             if state is not None:
-                metrics.tokens_received(output.request_id, output.index, len(state.sequences[output.index].token_ids))
+                metrics.tokens_received(output.request_id, output.index, len(state.sequences[output.index].token_ids),
+                                        output.scheduled_at)
             if stop is not None:
                 self._send(p.StopSequence(output.request_id, output.index, stop))
             generation.last_emitted_at = message.emitted_at
@@ -284,6 +300,8 @@ class EngineCoreClient:
         if self._ready_event is not None:
             self._ready_event.set()
         self._fail_all(EngineDeadError(f"engine core failed: {reason}"))
+        if self.ready is not None and self.on_dead is not None:
+            self.on_dead(reason)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, generation in list(self._generations.items()):
@@ -293,3 +311,11 @@ class EngineCoreClient:
             state = self.processor.states.pop(rid, None)
             metrics.request_finished(rid, state, "error")
         self._generations.clear()
+
+
+def _summary(message: str) -> str:
+    """A core failure report without its traceback: the first line and the exception's line."""
+    lines = [line for line in message.splitlines() if line.strip()]
+    if len(lines) <= 1 or not any(line.startswith("Traceback") for line in lines):
+        return message
+    return f"{lines[0].rstrip(':')}: {lines[-1].strip()}"

@@ -36,12 +36,13 @@ def observe_detokenize(seconds: float) -> None:
     ENGINE.observe_host_phase("detokenize", seconds)
 
 
-def request_started(request_id: str, arrival: float, prompt_len: int) -> None:
-    ENGINE.request_started(request_id, arrival, prompt_len)
+def request_started(request_id: str, arrival: float, prompt_len: int, params=None) -> None:
+    """`params`: the request's `SamplingParams` (n and max_tokens feed vLLM's request_params series)."""
+    ENGINE.request_started(request_id, arrival, prompt_len, getattr(params, "n", 1), getattr(params, "max_tokens", None))
 
 
-def tokens_received(request_id: str, index: int, num_tokens: int) -> None:
-    ENGINE.tokens_received(request_id, index, num_tokens, time.monotonic())
+def tokens_received(request_id: str, index: int, num_tokens: int, scheduled_at: float | None = None) -> None:
+    ENGINE.tokens_received(request_id, index, num_tokens, time.monotonic(), scheduled_at)
 
 
 def request_finished(request_id: str, state, default_reason: str) -> None:
@@ -57,7 +58,7 @@ def observe_stream_delay(seconds: float) -> None:
 def register_engine(client, model_name: str) -> ServerMetrics:
     """Names the model and points the gauges at the client's latest stats, once the core is ready."""
     ENGINE.attach(model_name, client.ready, client.config.enable_prefix_caching, lambda: client.stats,
-                  lambda: client.core_metrics)
+                  lambda: client.core_metrics, client.config.gpu_memory_utilization)
     return ENGINE
 
 

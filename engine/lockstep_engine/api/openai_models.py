@@ -58,6 +58,17 @@ class SamplingFields(OpenAIModel):
     response_format: Optional[ResponseFormat] = None
     skip_special_tokens: Optional[bool] = True
     include_stop_str_in_output: Optional[bool] = False
+    # Structured outputs, vLLM's older and newer spellings (api/structured.py reads them).
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    priority: Optional[int] = 0
+    return_tokens_as_token_ids: Optional[bool] = False
+    prompt_logprobs: Optional[int] = None
 
 
 class CompletionRequest(SamplingFields):

@@ -18,9 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from lockstep.protocol import TokenLogprobs
-from lockstep_engine import guided
-from lockstep_engine.api import metrics
-from lockstep_engine.api.client import EngineCoreClient, EngineDeadError, Generation, RequestRejected
+from lockstep_engine.api import extras, metrics, structured, tools
+from lockstep_engine.api.client import EngineBusyError, EngineCoreClient, EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.errors import APIError, bad_request, error_body
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
@@ -30,10 +29,11 @@ from lockstep_engine.api.openai_models import (
     SamplingFields,
     TokenizeRequest,
 )
-from lockstep_engine.engine import validate_request
+from lockstep_engine.api.server_defaults import ServerDefaults
+from lockstep_engine.guided_schema import GuidedDecodingError, compile_json_schema
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
+from lockstep_engine.validation import MAX_PROMPTS, validate_batch, validate_messages, validate_request
 
-MAX_PROMPTS = 1024  # prompts in one /v1/completions request, as vLLM caps them
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -59,6 +59,9 @@ class _Job:
     echo: bool = False
     chunk_object: str = "text_completion"
     sent_finish: set = field(default_factory=set)
+    tool_call: tools.ToolCalling | None = None  # chat requests with tools
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    text_offsets: dict = field(default_factory=dict)  # streamed logprobs: (prompt, sample) -> next token's offset
     echoed: set = field(default_factory=set)
 
 
@@ -72,6 +75,8 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.idle_timeout_s = idle_timeout_s
         self._token_strs: dict[int, str] = {}
+        self.tool_call_parser: str | None = None  # --tool-call-parser when --enable-auto-tool-choice
+        self.defaults = ServerDefaults()  # --chat-template, --response-role, --generation-config (set by the app)
 
     @property
     def model_name(self) -> str:
@@ -79,12 +84,28 @@ class OpenAIServing:
 
     @property
     def has_chat_template(self) -> bool:
-        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+        return self.tokenizer is not None and bool(self.defaults.chat_template
+                                                   or getattr(self.tokenizer, "chat_template", None))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist. Available: {', '.join(self.served_model_names)}.",
                            "model")
+
+    trust_request_chat_template = False  # --trust-request-chat-template
+
+    def check_request_template(self, body) -> None:
+        """A template sent with the request is code the server would run: refused unless trusted (as vLLM)."""
+        if self.trust_request_chat_template:
+            return
+        if getattr(body, "chat_template", None) is not None:
+            param = "chat_template"
+        elif "chat_template" in (body.chat_template_kwargs or {}):
+            param = "chat_template_kwargs"
+        else:
+            return
+        raise bad_request(f"{param}: a chat template in the request is refused; start the server with "
+                          f"--trust-request-chat-template to allow it", param)
 
     # ---- inputs -----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
@@ -112,15 +133,20 @@ class OpenAIServing:
                               "messages")
         if not messages:
             raise bad_request("messages: expected at least one message", "messages")
+        try:
+            validate_messages(len(messages))
+        except SamplingParamsError as error:
+            raise bad_request(str(error), error.param) from None
         if continue_final_message and add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                               "continue_final_message")
-        conversation = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+        conversation = [tools.template_message(m, _message_text(m, i)) for i, m in enumerate(messages)]
         try:
             ids = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=bool(continue_final_message), tokenize=True, return_dict=False,
-                **(template_kwargs or {}))
+                **{"chat_template": self.defaults.chat_template, **self.defaults.chat_template_kwargs,
+                   **(template_kwargs or {})})
         except Exception as error:  # jinja2 errors and template raise_exception() calls
             raise bad_request(f"messages: the chat template failed: {error}", "messages") from None
         return list(ids)
@@ -128,6 +154,7 @@ class OpenAIServing:
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
+        extras.check(body, self.config)
         logit_bias = None
         if body.logit_bias:
             try:
@@ -136,24 +163,24 @@ class OpenAIServing:
                 raise bad_request("logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
         fields = dict(
             n=1 if body.n is None else body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=self.defaults.value("temperature", body.temperature, 1.0),
+            top_p=self.defaults.value("top_p", body.top_p, 1.0),
+            top_k=self.defaults.value("top_k", body.top_k, 0),
+            min_p=self.defaults.value("min_p", body.min_p, 0.0),
             seed=body.seed,
             stop=body.stop,
             stop_token_ids=body.stop_token_ids,
-            max_tokens=max_tokens,
+            max_tokens=self.defaults.max_tokens(max_tokens),
             min_tokens=body.min_tokens or 0,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=self.defaults.value("repetition_penalty", body.repetition_penalty, 1.0),
             logprobs=logprobs,
             ignore_eos=bool(body.ignore_eos),
             logit_bias=logit_bias,
             skip_special_tokens=body.skip_special_tokens is not False,
             include_stop_str_in_output=bool(body.include_stop_str_in_output),
-            json_schema=self.json_schema(body),
+            guided=structured.guided_spec(body, self.json_schema(body), self.client.ready),
         )
         try:
             return SamplingParams(**fields)
@@ -175,17 +202,18 @@ class OpenAIServing:
             raise bad_request(f"response_format: model {self.model_name!r} has no tokenizer for guided decoding "
                               f"(or llguidance is not installed)", "response_format")
         try:
-            guided.compile_json_schema(schema)
-        except guided.GuidedDecodingError as error:
+            compile_json_schema(schema)
+        except GuidedDecodingError as error:
             raise bad_request(f"response_format: {error}", "response_format") from None
         return schema
 
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        for ids in prompts:
-            try:
+        try:
+            validate_batch(len(prompts), params.n)
+            for ids in prompts:
                 validate_request(self.config, self.model_config, ids, params)
-            except SamplingParamsError as error:
-                raise bad_request(str(error), error.param) from None
+        except SamplingParamsError as error:
+            raise bad_request(str(error), error.param) from None
 
     def submit(self, kind: str, prompts: list[list[int]], texts: list[str | None], params: SamplingParams
                ) -> tuple[str, Generation]:
@@ -193,6 +221,8 @@ class OpenAIServing:
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         try:
             return response_id, self.client.submit(request_ids, prompts, params, texts)
+        except EngineBusyError as error:
+            raise APIError(503, str(error), headers={"Retry-After": "1"}) from None
         except EngineDeadError as error:
             raise APIError(503, str(error)) from None
 
@@ -223,13 +253,15 @@ class OpenAIServing:
             raise bad_request("best_of: only best_of=1 is supported", "best_of")
         if body.echo and body.logprobs is not None:
             raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
-        prompts, texts = self.completion_prompts(body)
+        # Tokenizing a large prompt takes seconds: off the event loop, so /health and streams go on.
+        prompts, texts = await asyncio.to_thread(self.completion_prompts, body)
         params = self.sampling_params(body, body.max_tokens, body.logprobs)
         self.validate(prompts, params)
         response_id, generation = self.submit("cmpl", prompts, texts, params)
         job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation,
                    [t if t is not None else self.decode(ids) for t, ids in zip(texts, prompts)] if body.echo else [],
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs, bool(body.echo))
+        job.continuous_usage = extras.continuous_usage(body)
         if body.stream:
             return StreamingResponse(self._stream(job, self._completion_chunks), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
@@ -258,7 +290,9 @@ class OpenAIServing:
                     text = job.prompt_texts[p_index] + text
                 logprobs = None
                 if job.num_logprobs is not None:
-                    logprobs = self._completion_logprobs(new_logprobs, len(seq.text))
+                    # Each token's start offset, as non-streamed responses give it.
+                    logprobs = self._completion_logprobs(new_logprobs, job.text_offsets.get(key, 0))
+                    job.text_offsets[key] = job.text_offsets.get(key, 0) + sum(map(len, logprobs["tokens"]))
                 chunks.append({"id": job.response_id, "object": "text_completion", "created": job.created,
                                "model": job.model,
                                "choices": [{"index": p_index * job.n + seq.index, "text": text, "logprobs": logprobs,
@@ -283,12 +317,12 @@ class OpenAIServing:
     # ---- /v1/chat/completions -----------------------------------------------------------------
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
-        if body.tools and body.tool_choice != "none":
-            raise bad_request("tools: tool calling is not supported by this server", "tools")
+        tool_call = tools.ToolCalling.of(body, self.tool_call_parser)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        prompt = self.chat_prompt(body.messages, body.add_generation_prompt is not False,
-                                  bool(body.continue_final_message), body.chat_template_kwargs)
+        self.check_request_template(body)
+        prompt = await asyncio.to_thread(self.chat_prompt, body.messages, body.add_generation_prompt is not False,
+                                         bool(body.continue_final_message), tools.template_kwargs(body))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, logprobs)
@@ -296,7 +330,8 @@ class OpenAIServing:
         response_id, generation = self.submit("chatcmpl", [prompt], [None], params)
         job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation, [],
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs,
-                   chunk_object="chat.completion.chunk")
+                   chunk_object="chat.completion.chunk", tool_call=tool_call)
+        job.continuous_usage = extras.continuous_usage(body)
         if body.stream:
             return StreamingResponse(self._stream(job, self._chat_chunks, self._chat_role_chunks(job)),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
@@ -304,8 +339,10 @@ class OpenAIServing:
         choices = []
         for seq in generation.states[0].sequences:
             logprobs = {"content": self._chat_logprobs(seq.logprobs)} if job.num_logprobs is not None else None
-            choices.append({"index": seq.index, "message": {"role": "assistant", "content": seq.text},
-                            "logprobs": logprobs, "finish_reason": seq.finish_reason,
+            message, finish_reason = tools.message(tool_call, seq.text, seq.finish_reason)
+            message["role"] = self.defaults.response_role
+            choices.append({"index": seq.index, "message": message,
+                            "logprobs": logprobs, "finish_reason": finish_reason,
                             "stop_reason": seq.stop_reason})
         return JSONResponse({"id": response_id, "object": "chat.completion", "created": job.created,
                              "model": job.model, "choices": choices, "usage": _usage(generation)})
@@ -318,7 +355,7 @@ class OpenAIServing:
                              "stop_reason": stop_reason}]}
 
     def _chat_role_chunks(self, job: _Job) -> list[dict]:
-        return [self._chat_chunk(job, i, {"role": "assistant", "content": ""}) for i in range(job.n)]
+        return [self._chat_chunk(job, i, {"role": self.defaults.response_role, "content": ""}) for i in range(job.n)]
 
     def _chat_chunks(self, job: _Job) -> list[dict]:
         chunks = []
@@ -327,8 +364,11 @@ class OpenAIServing:
             if delta is None:
                 continue
             logprobs = {"content": self._chat_logprobs(new_logprobs)} if job.num_logprobs is not None else None
-            chunks.append(self._chat_chunk(job, seq.index, {"content": delta} if delta or not finishing else {},
-                                           logprobs, seq.finish_reason if finishing else None,
+            message, finish_reason = tools.stream_delta(job.tool_call, seq.index, delta, finishing,
+                                                        seq.finish_reason if finishing else None)
+            if message is None:
+                continue
+            chunks.append(self._chat_chunk(job, seq.index, message, logprobs, finish_reason,
                                            seq.stop_reason if finishing else None))
         return chunks
 
@@ -368,6 +408,9 @@ class OpenAIServing:
             while True:
                 chunks = make_chunks(job)
                 if chunks:
+                    if job.continuous_usage:
+                        for chunk in chunks:
+                            chunk["usage"] = _usage(generation)
                     payload = "".join(_sse(chunk) for chunk in chunks)
                     metrics.observe_stream_delay(time.monotonic() - generation.last_emitted_at)
                     yield payload

@@ -17,6 +17,8 @@ import sys
 from dataclasses import fields
 
 from lockstep_engine.config import SCHEDULING_POLICIES, ConfigError, EngineConfig, num_scheduler_steps_arg
+from lockstep_engine.entrypoints import vllm_flags
+from lockstep_engine.entrypoints.vllm_flags import human_readable_int
 
 DEFAULT_PORT = 8000
 
@@ -24,7 +26,8 @@ DEFAULT_PORT = 8000
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockstep serve", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("model", nargs="?", help="smollm2, random:<shape>, a .gguf file or a Hugging Face directory")
+    parser.add_argument("model", nargs="?",
+                        help="smollm2, random:<shape>, a .gguf file, a Hugging Face directory or hub id (org/name)")
     parser.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
@@ -32,7 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in 'model' (default: MODEL)")
     server.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (env LOCKSTEP_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on /v1 (env LOCKSTEP_API_KEY or VLLM_API_KEY)")
+    server.add_argument("--api-key-file", default=os.environ.get("LOCKSTEP_API_KEY_FILE"),
+                        help="read the API key from this file, e.g. a mounted Secret (env LOCKSTEP_API_KEY_FILE)")
+    server.add_argument("--max-queued-requests", type=int, default=1024,
+                        help="requests that may wait beyond --max-num-seqs; more get 503 with Retry-After "
+                             "(-1: unbounded)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
+    server.add_argument("--header-read-timeout", type=float, default=10.0,
+                        help="seconds a client may take to send a request's headers before the connection closes")
+    server.add_argument("--body-read-timeout", type=float, default=60.0,
+                        help="seconds a client may take to send a request's body (else 408)")
+    server.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open")
     server.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     server.add_argument("--request-idle-timeout", type=float, default=600.0,
                         help="seconds a request may wait for its next token before it fails")
@@ -51,24 +67,33 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode steps per window, or 'auto'")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    engine.add_argument("--pipeline-layer-partition", default=os.environ.get("LOCKSTEP_PP_LAYER_PARTITION"),
+                        help="decoder layers per pipeline stage, e.g. 19,11 (default: env LOCKSTEP_PP_LAYER_PARTITION, "
+                             "else balanced by the weight each stage reads per step)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--max-model-len", type=human_readable_int, default=None, help="e.g. 2048, 32k, 32K")
+    engine.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None, help="e.g. 4G (GiB), 4g")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
                         help="queue order: fcfs (arrival), or lof (longest max_tokens first)")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    engine.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--tokenizer", default=None)
     engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     engine.add_argument("--enforce-eager", action="store_true")
     engine.add_argument("--max-logprobs", type=int, default=20)
+    vllm_flags.add_supported_flags(server, engine)
+    vllm_flags.register(parser)  # the rest of vLLM's flags: a notice, or a refusal that says why
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto" (needs --tool-call-parser)')
+    server.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "pythonic"],
+                        help="how tool calls are read from the model's text for tool_choice auto")
     return parser
 
 
@@ -85,7 +110,13 @@ def parse_args(argv: list[str]):
     from lockstep_engine.api.client import CoreTimeouts
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(vllm_flags.expand_argv(vllm_flags.config_file_args(argv, parser)))
+    notices, errors = vllm_flags.check(args)
+    errors += vllm_flags.frontend_errors(args)
+    if errors:
+        parser.error("; ".join(errors))
+    for notice in notices:
+        print(f"lockstep serve: {notice}", file=sys.stderr)
     if args.model_flag:
         args.model = args.model_flag
     if not args.model:
@@ -94,9 +125,28 @@ def parse_args(argv: list[str]):
         config = engine_config_from_args(args)
     except ConfigError as error:
         parser.error(str(error))
+    try:
+        defaults = vllm_flags.server_defaults(args, config)
+    except ValueError as error:  # DefaultsError, HubCacheError: the message names the flag or the paths
+        parser.error(str(error))
     for name in ("port", "max_request_body_bytes"):
         if getattr(args, name) < (0 if name == "port" else 1):
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
+    for name in ("header_read_timeout", "body_read_timeout", "keep_alive_timeout"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range: expected seconds > 0")
+    if args.max_queued_requests < -1:
+        parser.error(f"--max-queued-requests={args.max_queued_requests} is out of range: expected -1 or more")
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as handle:
+                args.api_key = handle.read().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            parser.error(f"--api-key-file={args.api_key_file!r} cannot be read: {error}")
+        if not args.api_key:
+            parser.error(f"--api-key-file={args.api_key_file!r} is empty")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic)")
     settings = ServerSettings(
         served_model_names=list(args.served_model_name or [args.model]),
         api_key=args.api_key or None,
@@ -105,6 +155,11 @@ def parse_args(argv: list[str]):
         shutdown_grace_s=args.shutdown_grace_period,
         core_timeouts=CoreTimeouts(startup_s=args.engine_start_timeout, heartbeat_s=args.engine_heartbeat_timeout,
                                    loop_stall_s=args.engine_stall_timeout),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        defaults=defaults,
+        max_queued_requests=None if args.max_queued_requests == -1 else args.max_queued_requests,
+        body_read_timeout_s=args.body_read_timeout,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     return args, config, settings
 
@@ -113,11 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from lockstep_engine.api.app import build_app
-    from lockstep_engine.sources import log
+    from lockstep_engine.api.http_limits import header_timeout_protocol
+    from lockstep_engine.log import log
 
     args, config, settings = parse_args(list(sys.argv[1:] if argv is None else argv))
     app = build_app(config, settings)
     state = app.state.server
+    if args.disable_fastapi_docs:
+        vllm_flags.without_docs(app)
+    asgi = app
+    cors = vllm_flags.cors_options(args)
+    if cors is not None:
+        from starlette.middleware.cors import CORSMiddleware
+
+        asgi = CORSMiddleware(asgi, **cors)
+    if args.root_path:
+        asgi = vllm_flags.RootPath(asgi, args.root_path)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn's server with a drain on the first SIGTERM/SIGINT instead of closing the listener."""
@@ -142,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             await state.drain()
             self.should_exit = True
 
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+    uv_config = uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=5,  # generation requests were drained already
-                               access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
+                               http=header_timeout_protocol(args.header_read_timeout),
+                               timeout_keep_alive=args.keep_alive_timeout, **vllm_flags.uvicorn_options(args))
     server = DrainingServer(uv_config)
 
     def on_fatal(message: str) -> None:
@@ -152,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     state.on_fatal = on_fatal
-    log(f"serving {config.model!r} as {settings.served_model_names} on http://{args.host}:{args.port} "
+    where = f"unix:{args.uds}" if args.uds else f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
+    log(f"serving {config.model!r} as {settings.served_model_names} on {where}{args.root_path or ''} "
         f"(num_scheduler_steps={config.num_scheduler_steps})")
     server.run()
     if server.exit_code == 0 and not server.started:

@@ -29,6 +29,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"lockstep worker: {error}", file=sys.stderr)
         return 2
-    from lockstep_engine.distributed import run_worker
+    from lockstep_engine.group.worker import run_worker
 
     return run_worker(config)

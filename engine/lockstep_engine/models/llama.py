@@ -6,15 +6,12 @@ fused projections are declared in `packed_modules_mapping` instead of converted 
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from lockstep_engine.attention import AttentionMetadata
-from lockstep_engine.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
-                                    QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                    VocabParallelEmbedding, silu_and_mul)
+from lockstep_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, silu_and_mul)
 from lockstep_engine.model_config import ModelConfig
 from lockstep_engine.parallel import ParallelState
 
@@ -111,12 +108,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, state: ParallelState, backend):
+    def __init__(self, config: ModelConfig, state: ParallelState, backend, layer_range: range | None = None):
+        """`layer_range`: this pipeline stage's decoder layers (`parallel.stage_layers`); None: all."""
         super().__init__()
         self.config = config
         self.state = state
-        self.layer_range = stage_layers(config.num_hidden_layers, state.pp_rank, state.pp_size,
-                                        head_weight_in_layers(config), os.environ.get(PARTITION_ENV))
+        self.layer_range = range(config.num_hidden_layers) if layer_range is None else layer_range
         self.model = LlamaModel(config, state, backend, self.layer_range)
         self.lm_head = None
         if state.is_last_stage:
@@ -170,46 +167,3 @@ def _map_name(name: str, mapping: dict) -> tuple[str, object]:
         if f".{source}." in name:
             return name.replace(f".{source}.", f".{target}."), shard_id
     return name, None
-
-
-PARTITION_ENV = "LOCKSTEP_PP_LAYER_PARTITION"  # e.g. "19,11": layers per stage (vLLM: VLLM_PP_LAYER_PARTITION)
-
-
-def head_weight_in_layers(config: ModelConfig) -> float:
-    """The LM head's weight bytes in decoder layers: what the last stage reads per step on top of its
-    layers (decode reads every weight once per step, so bytes are what a stage's step time follows)."""
-    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
-    q = config.num_attention_heads * config.head_dim
-    layer = h * q * 2 + h * kv * 2 + 3 * h * config.intermediate_size
-    return config.vocab_size * h / layer
-
-
-def stage_layers(num_layers: int, pp_rank: int, pp_size: int, head_layers: float = 0.0,
-                 partition: str | None = None) -> range:
-    """Layers of one pipeline stage. The stages get equal weight to read per step: the last one also
-    runs the LM head, worth `head_layers` layers, so it takes fewer decoder layers; the others split the
-    rest evenly, earlier stages taking the remainder. `partition` ("19,11") sets the counts instead."""
-    if pp_size > num_layers:
-        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
-    if partition:
-        counts = _parse_partition(partition, num_layers, pp_size)
-    elif pp_size == 1:
-        counts = [num_layers]
-    else:
-        share = (num_layers + head_layers) / pp_size
-        last = min(max(round(share - head_layers), 1), num_layers - (pp_size - 1))
-        base, extra = divmod(num_layers - last, pp_size - 1)
-        counts = [base + (1 if s < extra else 0) for s in range(pp_size - 1)] + [last]
-    start = sum(counts[:pp_rank])
-    return range(start, start + counts[pp_rank])
-
-
-def _parse_partition(partition: str, num_layers: int, pp_size: int) -> list[int]:
-    try:
-        counts = [int(x) for x in partition.split(",")]
-    except ValueError:
-        counts = []
-    if len(counts) != pp_size or min(counts, default=0) < 1 or sum(counts) != num_layers:
-        raise ValueError(f"{PARTITION_ENV}={partition!r} is invalid: expected {pp_size} comma-separated layer "
-                         f"counts, each >= 1, summing to the model's {num_layers} layers")
-    return counts

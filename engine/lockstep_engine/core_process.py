@@ -1,4 +1,4 @@
-"""The engine-core process: model runner + `EngineCore` loop, driven by `lockstep.protocol` messages.
+"""The engine-core process: an `Executor` + `EngineCore` loop, driven by `lockstep.protocol` messages.
 
 Three threads, so the loop never waits on I/O: a reader turns the request pipe into an inbox queue,
 the loop drains it between steps (aborts and stop strings) and between windows (new requests), and
@@ -19,7 +19,13 @@ import traceback
 from dataclasses import asdict
 
 from lockstep import protocol as p
+from lockstep_engine.config import EngineConfig
+from lockstep_engine.engine_core import EngineCore
+from lockstep_engine.group.executor import load_engine
+from lockstep_engine.log import log
 from lockstep_engine.metrics import CoreMetrics
+from lockstep_engine.sampling_params import SamplingParams
+from lockstep_engine.sequence import Request
 
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.5
@@ -109,11 +115,8 @@ class CoreLoop:
             self._stopping = True
 
     def _add(self, message: p.AddRequest) -> None:
-        from lockstep_engine.sampling_params import SamplingParams
-        from lockstep_engine.sequence import Request
-
         try:
-            params = SamplingParams(**message.sampling)
+            params = SamplingParams.from_dict(message.sampling)
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.core.config.max_model_len, seed, arrival_time=message.arrival_time)
@@ -142,7 +145,7 @@ class CoreLoop:
         self._drain(block=False, in_window=True)
 
     def _publish_stats(self) -> None:
-        core, stats = self.core, self.core.stats
+        core, stats = self.core, self.core.stats  # cumulative counters only: no samples are taken here
         snapshot = p.EngineStats(
             num_running=core.num_running, num_waiting=core.num_waiting, kv_cache_usage=core.blocks.usage,
             num_steps=stats.num_steps, num_windows=stats.num_windows,
@@ -162,35 +165,24 @@ class CoreLoop:
                 self._add(message)
             self._deferred = []
             self._drain(block=not self.core.has_unfinished(), in_window=False)
-            check_group = getattr(self.core.runner, "check_workers", None)
-            if check_group is not None:
-                check_group()  # a lost rank of the engine group fails the core, idle or not
+            self.core.executor.check_health()  # a lost rank of the engine group fails the core, idle or not
             self.progress_at = time.monotonic()
             if self._stopping:
                 break
             if self.core.has_unfinished():
                 timings = self.core.step(self._emit)
                 if timings is not None:
-                    self.metrics.record_window(self.core, timings)
+                    self.metrics.record_window(self.core.take_stats(), timings)
             self._publish_stats()
 
 
-def _build_core(config):
+def _build_core(config: EngineConfig):
     """Loads the model; returns the core, the tokenizer (or None) and whether guided decoding works."""
-    from lockstep_engine import guided
-    from lockstep_engine.engine_core import EngineCore
-    from lockstep_engine.distributed import create_runner
-    from lockstep_engine.sources import log, resolve
-
-    source = resolve(config.model, seed=config.seed)
-    config = config.with_model_limits(source.config.max_position_embeddings)
-    tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
-    runner = create_runner(config, source)  # with TP/PP: the group's leader, local workers spawned
-    # Every rank that samples builds the grammar masks itself (workers install guides too).
-    has_guides = guided.install(runner, tokenizer)
-    if tokenizer is not None:
-        log("guided decoding: llguidance" if has_guides else "guided decoding: unavailable (pip install llguidance)")
-    return EngineCore(config, runner), tokenizer, has_guides
+    loaded = load_engine(config)  # with TP/PP: the group's leader, local workers spawned
+    if loaded.tokenizer is not None:
+        log("guided decoding: llguidance" if loaded.guided_decoding
+            else "guided decoding: unavailable (pip install llguidance)")
+    return EngineCore(loaded.config, loaded.executor), loaded.tokenizer, loaded.guided_decoding
 
 
 def run_engine_core(config, requests_conn, outputs_conn) -> None:
@@ -209,12 +201,12 @@ def run_engine_core(config, requests_conn, outputs_conn) -> None:
         sys.exit(1)
     loop.core = core
     reader.start()
-    runner = core.runner
+    executor = core.executor
     writer.send(p.CoreReady(pid=os.getpid(), max_model_len=core.config.max_model_len,
                             num_blocks=core.blocks.num_blocks, block_size=core.config.block_size,
-                            vocab_size=runner.model_config.vocab_size,
+                            vocab_size=executor.model_config.vocab_size,
                             num_scheduler_steps=core.config.num_scheduler_steps, guided_decoding=has_guides,
-                            device=str(runner.device), model_config=asdict(runner.model_config),
+                            device=str(executor.device), model_config=asdict(executor.model_config),
                             tokenizer=tokenizer))
     try:
         loop.run()
@@ -224,9 +216,6 @@ def run_engine_core(config, requests_conn, outputs_conn) -> None:
         writer.flush(5.0)
         print(message, file=sys.stderr, flush=True)
         sys.exit(1)
+    core.executor.shutdown()
     writer.flush(5.0)
 
-
-def sampling_dict(params) -> dict:
-    """`SamplingParams` as the dict `AddRequest` carries."""
-    return asdict(params)

@@ -13,7 +13,7 @@ Leader (one encoder per engine group, for the group's lifetime)::
 
     encoder = PlanEncoder()
     data = encoder.encode(plan)           # before every window; send `data` to every worker
-    data = encoder.encode_releases()      # optional, when the engine goes idle: None or a message
+    data = encoder.encode_releases()      # when the engine goes idle: None or a message
 
 Worker (one decoder per rank)::
 
@@ -26,8 +26,9 @@ Releasing needs no call from the leader: the encoder keeps a reference to each s
 sent, and the first message after that sequence finished (stop, length or abort; its status says
 so) tells workers to forget it; a request goes when its last sequence goes. Both sides therefore
 hold only sequences that were scheduled at least once and were unfinished at the last message.
-Those of the last window before the engine went idle stay until the next message: send
-`encode_releases()` when idle to drop them at once.
+Those of the last window before the engine went idle would stay until the next message:
+`GroupExecutor.on_idle` sends `encode_releases()` when the engine core has no window to run, which
+drops them at once.
 
 Every message carries its number. A decoder accepts only the next one, so a worker that missed a
 message, joined late or outlived its leader's encoder raises `PlanCodecError` (a ValueError naming

@@ -77,7 +77,8 @@ def first_step_arrays(rows, block_size: int, sink_block: int) -> dict[str, np.nd
 
     input_ids, positions, slots: [tokens]; query_start: [rows + 1]; seq_lens: [rows] after step 1;
     block_table: [rows, max_blocks] padded with the sink block; sample_index (flattened index of each
-    sampling row's last token), sample_sel (its row), num_generated, max_steps: [sampling rows].
+    sampling row's last token), sample_sel (its row), num_generated, max_steps, budget (tokens it may
+    still sample before max_tokens or max_model_len end it): [sampling rows].
     """
     num_rows = len(rows)
     start = np.fromiter((row.start_computed for row in rows), np.int64, num_rows)
@@ -107,6 +108,7 @@ def first_step_arrays(rows, block_size: int, sink_block: int) -> dict[str, np.nd
         "num_generated": np.fromiter((len(row.seq.token_ids) - row.seq.request.prompt_len for row in sampling_rows),
                                      np.int64, len(sampling_rows)),
         "max_steps": np.fromiter((row.max_steps for row in sampling_rows), np.int64, len(sampling_rows)),
+        "budget": np.fromiter((row.seq.remaining_tokens for row in sampling_rows), np.int64, len(sampling_rows)),
     }
 
 

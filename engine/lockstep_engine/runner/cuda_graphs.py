@@ -11,15 +11,15 @@ run eagerly.
 from __future__ import annotations
 
 import sys
-from dataclasses import fields
 
 import torch
 
+from lockstep_engine.runner.window_state import DecodeState
 from lockstep_engine.sampler import SamplingTensors
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_STOP_IDS = 8
-_STATE_FIELDS = ("tokens", "positions", "done", "steps_done", "max_steps", "num_generated")
+_STATE_FIELDS = ("tokens", "positions", "done", "steps_done", "max_steps", "budget", "num_generated")
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "min_tokens")
 
 
@@ -32,20 +32,19 @@ class _Eager:
 
 
 class _Graph:
-    def __init__(self, runner, bucket: int, greedy: bool, filtered: bool, pool, capture: bool = True):
-        from lockstep_engine.model_runner import DecodeState
-
-        device, vocab = runner.device, runner.model_config.vocab_size
-        width = -(-runner.config.max_model_len // runner.block_size)
+    def __init__(self, steps, bucket: int, greedy: bool, filtered: bool, pool, capture: bool = True):
+        device, vocab = steps.device, steps.vocab_size
+        width = -(-steps.max_model_len // steps.block_size)
         i64 = dict(dtype=torch.int64, device=device)
         self.bucket = bucket
-        self.sink_block = runner.num_blocks
+        self.sink_block = steps.num_blocks
         self.inputs = {
             "tokens": torch.zeros(bucket, **i64), "positions": torch.zeros(bucket, **i64),
             "done": torch.ones(bucket, dtype=torch.bool, device=device), "steps_done": torch.zeros(bucket, **i64),
-            "max_steps": torch.zeros(bucket, **i64), "num_generated": torch.zeros(bucket, **i64),
-            "table": torch.full((bucket, width), runner.num_blocks, **i64),
-            "emitted": torch.full((bucket,), -1, **i64),
+            "max_steps": torch.zeros(bucket, **i64), "budget": torch.zeros(bucket, **i64),
+            "num_generated": torch.zeros(bucket, **i64),
+            "table": torch.full((bucket, width), steps.num_blocks, **i64),
+            "emitted": torch.full((2, bucket), -1, **i64),  # tokens; finish codes
         }
         self.sampling = SamplingTensors(
             temperature=torch.zeros(bucket, dtype=torch.float32, device=device),
@@ -59,8 +58,7 @@ class _Graph:
         def body():
             state = DecodeState(sampling=self.sampling, counts=None, table=self.inputs["table"],
                                 **{name: self.inputs[name] for name in _STATE_FIELDS})
-            out = runner._decode_step(state, runner.config.max_model_len, None)
-            runner._advance(state, out)
+            steps.step(state, steps.max_model_len, None)
             for name in _STATE_FIELDS:
                 self.inputs[name].copy_(getattr(state, name))
             self.inputs["emitted"].copy_(state.emitted)
@@ -99,12 +97,15 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, capture: bool = True):
-        self.runner = runner
+    """The captured decode steps of one runner and attention backend, one graph per batch bucket and
+    sampling kind, over the runner's `Steps` (`lockstep_engine.runner.steps`)."""
+
+    def __init__(self, steps, capture: bool = True):
+        self.steps = steps
         self.capture = capture
         self.graphs: dict[tuple[int, bool, bool], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.sink_block = runner.num_blocks
+        self.sink_block = steps.num_blocks
 
     def usable(self, state, guide) -> bool:
         t = state.sampling
@@ -115,7 +116,7 @@ class DecodeGraphs:
         bucket = next(b for b in BUCKETS if b >= rows)
         key = (bucket, t.all_greedy, t.any_filter)
         if key not in self.graphs:
-            self.graphs[key] = _Graph(self.runner, bucket, t.all_greedy, t.any_filter, self.pool, self.capture)
+            self.graphs[key] = _Graph(self.steps, bucket, t.all_greedy, t.any_filter, self.pool, self.capture)
         return self.graphs[key]
 
     def warmup(self, max_rows: int) -> None:

@@ -1,0 +1,178 @@
+"""`Executor`: where an engine's ranks run, as the engine core sees them; `load_engine` builds one.
+
+A `LocalExecutor` runs windows on this process's `ModelRunner` (one rank, or a worker's shard). A
+`GroupExecutor` is the leader of a TP x PP group: before each window it broadcasts the window plan,
+as a delta (`plan_codec`: a request's prompt and sampling parameters once, then per window only the
+tokens and blocks each row gained and the row's step-1 work), and every rank runs the same window
+on its shard. Tensor-parallel ranks draw the same tokens without a broadcast (logits are gathered on
+every rank and the sampler's randomness is a function of seed, position and token); pipeline stages
+adopt the last stage's samples by broadcast inside the window (`runner.steps`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch.distributed as dist
+
+from lockstep_engine import guided
+from lockstep_engine.config import EngineConfig
+from lockstep_engine.group.plan_codec import PlanEncoder
+from lockstep_engine.group.rendezvous import (DEFAULT_PORT, GroupError, check_layout, free_port, init_group,
+                                              spawn_local_workers, stop_workers, world_size)
+from lockstep_engine.model_config import ModelConfig
+from lockstep_engine.runner.model_runner import ModelRunner, resolve_device
+from lockstep_engine.runner.outputs import GuideFactory, StepOutput, WindowTimings
+from lockstep_engine.scheduler import WindowPlan
+from lockstep_engine.sources import resolve
+
+
+class Executor(Protocol):
+    """What the engine core needs of the ranks that run its windows."""
+
+    model_config: ModelConfig
+    device: object  # torch.device of this process's rank
+    num_blocks: int  # KV blocks every rank holds
+    micro_batches: int  # micro-batches in flight per window (pipeline stages), 1 without PP
+    guide_factory: GuideFactory | None  # grammar masks for guided rows; None: guided decoding unavailable
+
+    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
+                       continuing: bool = False) -> WindowTimings: ...
+
+    def use_attention_backend(self, name: str) -> None: ...  # "auto": the runner's own
+
+    def check_health(self) -> None: ...  # raises GroupError when a rank is lost
+
+    def on_idle(self) -> None: ...  # the engine has no window to run now
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """Windows run on this process's runner."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.model_config = runner.model_config
+        self.device = runner.device
+        self.num_blocks = runner.num_blocks
+        self.micro_batches = runner.micro_batches
+
+    @property
+    def guide_factory(self) -> GuideFactory | None:
+        return self.runner.guide_factory
+
+    @guide_factory.setter
+    def guide_factory(self, factory: GuideFactory | None) -> None:
+        self.runner.guide_factory = factory
+
+    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
+                       continuing: bool = False) -> WindowTimings:
+        return self.runner.execute_window(plan, on_step, continuing)
+
+    def use_attention_backend(self, name: str) -> None:
+        self.runner.use_attention_backend(name)
+
+    def check_health(self) -> None:
+        pass
+
+    def on_idle(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class GroupExecutor(LocalExecutor):
+    """The leader of an engine group: mirrors every window to the workers, then runs it on its own shard."""
+
+    def __init__(self, runner: ModelRunner, workers: list[subprocess.Popen]):
+        super().__init__(runner)
+        self.workers = workers  # the local workers it spawned (none when the ranks run elsewhere)
+        self._encoder = PlanEncoder()
+
+    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
+                       continuing: bool = False) -> WindowTimings:
+        self.check_health()
+        self._broadcast(("window", self._encoder.encode(plan)), "the window plan")
+        return self.runner.execute_window(plan, on_step, continuing)
+
+    def use_attention_backend(self, name: str) -> None:
+        if name != "auto":
+            raise ValueError(f"attention_backend={name!r}: an engine sharing a parallel group's model runs the "
+                             "group's backend (expected auto)")
+
+    def check_health(self) -> None:
+        dead = [w.pid for w in self.workers if w.poll() is not None]
+        if dead:
+            raise GroupError(f"engine group worker process(es) {dead} exited")
+
+    def on_idle(self) -> None:
+        """Lets the workers forget the sequences that finished in the last window now, not at the next one."""
+        data = self._encoder.encode_releases()
+        if data is not None:
+            self.check_health()
+            self._broadcast(("window", data), "a release message")
+
+    def shutdown(self) -> None:
+        """Tells the workers to stop (unless one is gone already: the group is broken) and reaps local ones."""
+        if all(w.poll() is None for w in self.workers):
+            try:
+                dist.broadcast_object_list([("stop", None)], src=0)
+            except RuntimeError:
+                pass
+        stop_workers(self.workers)
+
+    @staticmethod
+    def _broadcast(message: tuple, what: str) -> None:
+        try:
+            dist.broadcast_object_list([message], src=0)
+        except RuntimeError as error:
+            raise GroupError(f"broadcasting {what} to the engine group failed: {error}") from error
+
+
+@dataclass
+class LoadedEngine:
+    """A loaded model, ready to run windows."""
+
+    config: EngineConfig  # with max_model_len and max_num_batched_tokens resolved against the model
+    model_config: ModelConfig
+    tokenizer: object | None  # the Hugging Face tokenizer, None for models without one
+    executor: Executor
+    guided_decoding: bool  # whether guided decoding (llguidance) is installed on the executor
+
+
+def load_engine(config: EngineConfig, rank: int | None = None) -> LoadedEngine:
+    """Resolves the model, loads this rank's shard and installs guided decoding. `rank` None: the
+    process that serves (one rank, or rank 0 of a group, spawning local workers when the environment
+    names no rank, as `lockstep serve --tensor-parallel-size T` does); a rank >= 1: a group's worker."""
+    source = resolve(config.model, seed=config.seed, download_dir=config.download_dir, revision=config.revision,
+                     load_format=config.load_format)
+    config = config.with_model_limits(source.config.max_position_embeddings)
+    tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
+    world = world_size(config)
+    if world == 1:
+        executor: Executor = LocalExecutor(ModelRunner(config, source))
+    else:
+        check_layout(config, source.config)
+        device = resolve_device(config.device).type
+        leader = os.environ.get("LOCKSTEP_LEADER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("LOCKSTEP_RENDEZVOUS_PORT", DEFAULT_PORT))
+        workers = []
+        if rank is None:
+            if "LOCKSTEP_RANK" in os.environ:
+                rank = int(os.environ["LOCKSTEP_RANK"])
+                if rank != 0:
+                    raise GroupError(f"LOCKSTEP_RANK={rank}: only rank 0 serves; other ranks run `lockstep worker`")
+            else:
+                rank, leader, port = 0, "127.0.0.1", free_port()
+                workers = spawn_local_workers(config, port)
+        state = init_group(rank, world, leader, port, device, config.tensor_parallel_size)
+        runner = ModelRunner(config, source, state)
+        executor = GroupExecutor(runner, workers) if rank == 0 else LocalExecutor(runner)
+    # Every rank that samples builds the grammar masks itself (workers install guides too).
+    has_guides = guided.install(executor, tokenizer)
+    return LoadedEngine(config, source.config, tokenizer, executor, has_guides)

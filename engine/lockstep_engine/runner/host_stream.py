@@ -1,0 +1,118 @@
+"""The device-to-host stream of a window's step outputs: pinned buffers kept for the runner's
+lifetime, copied into asynchronously, handed to the host callback as each copy lands."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+from lockstep_engine.runner.outputs import StepOutput, WindowTimings
+
+
+def pinned_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+class HostSlot:
+    """Host buffers for one step's outputs, and the event that says their copy landed."""
+
+    __slots__ = ("buffers", "event", "views")
+
+    def __init__(self, event):
+        self.event = event
+        self.buffers: list[torch.Tensor] = []  # 1-D, one per output tensor, grown to the largest seen
+        self.views: list[torch.Tensor] = []  # this step's shapes over the buffers
+
+    def copy_from(self, tensors: list[torch.Tensor], allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+        self.views = []
+        for i, x in enumerate(tensors):
+            if i == len(self.buffers):
+                self.buffers.append(allocate(_capacity(x.numel()), x.dtype))
+            elif self.buffers[i].dtype != x.dtype or self.buffers[i].numel() < x.numel():
+                self.buffers[i] = allocate(_capacity(x.numel()), x.dtype)
+            self.views.append(self.buffers[i][:x.numel()].view(x.shape).copy_(x, non_blocking=True))
+        self.event.record()
+
+    def values(self) -> list:
+        return [x.tolist() for x in self.views]
+
+
+def _capacity(numel: int) -> int:
+    return 1 << max(numel - 1, 0).bit_length()  # a power of two: a growing batch reallocates rarely
+
+
+class HostRing:
+    """Pinned host buffers for the asynchronous step copies, kept for the runner's lifetime. A slot goes
+    back to the ring only once its copy landed and was read, so a reused buffer is never still being
+    written; the ring grows by a slot when a window has more copies in flight than it holds."""
+
+    def __init__(self, allocate: Callable[[int, torch.dtype], torch.Tensor] = pinned_buffer,
+                 event_factory: Callable[[], object] | None = None):
+        self.allocate = allocate
+        self.event_factory = event_factory or torch.cuda.Event
+        self._free: deque[HostSlot] = deque()
+        self.num_slots = 0
+
+    def acquire(self) -> HostSlot:
+        if self._free:
+            return self._free.popleft()
+        self.num_slots += 1
+        return HostSlot(self.event_factory())
+
+    def release(self, slot: HostSlot) -> None:
+        self._free.append(slot)
+
+
+class StepStream:
+    """Hands each step's tokens to the host callback: at once (sync) or as its async copy into a slot of
+    the runner's `HostRing` lands."""
+
+    def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings, ring: HostRing | None):
+        self.on_step = on_step
+        self.timings = timings
+        self.ring = ring
+        self.pending: deque[tuple[int, HostSlot, bool]] = deque()
+        self.last_tokens: list[int] = []
+
+    def push(self, step: int, emitted: torch.Tensor, out, sync: bool) -> None:
+        """`emitted`: [2, rows] tokens and finish codes (`DecodeState.emitted`), or [rows] tokens alone."""
+        tensors = [emitted]
+        if out is not None and out.logprobs is not None:
+            tensors += [out.logprobs, out.ranks]
+            if out.top_ids is not None:
+                tensors += [out.top_ids, out.top_logprobs]
+        packed = emitted.dim() == 2
+        if sync:
+            self._deliver(step, [x.tolist() for x in tensors], packed)
+            return
+        slot = self.ring.acquire()
+        slot.copy_from(tensors, self.ring.allocate)
+        self.pending.append((step, slot, packed))
+        while self.pending and self.pending[0][1].event.query():
+            self._deliver_slot(*self.pending.popleft())
+
+    def drain(self) -> None:
+        while self.pending:
+            step, slot, packed = self.pending.popleft()
+            slot.event.synchronize()
+            self._deliver_slot(step, slot, packed)
+
+    def _deliver_slot(self, step: int, slot: HostSlot, packed: bool) -> None:
+        values = slot.values()
+        self.ring.release(slot)
+        self._deliver(step, values, packed)
+
+    def _deliver(self, step: int, values: list, packed: bool) -> None:
+        tokens, finish = values[0] if packed else (values[0], None)
+        out = StepOutput(step=step, tokens=tokens, finish=finish)
+        if len(values) > 1:
+            out.logprobs, out.ranks = values[1], values[2]
+            if len(values) > 3:
+                out.top_ids, out.top_logprobs = values[3], values[4]
+        self.last_tokens = out.tokens
+        started = time.perf_counter()
+        self.on_step(out)
+        self.timings.output_s += time.perf_counter() - started

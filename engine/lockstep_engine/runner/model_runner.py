@@ -1,0 +1,322 @@
+"""`ModelRunner`: one rank's model shard, KV cache and window loops.
+
+Setup (device, dtype, weights, KV sizing and allocation), the attention backend switch, and the
+dispatch of a window to its loop: the pipelined loop over micro-batches (`pipelined`), all steps as
+graph replays for a window of decode rows only (`cuda_graphs`), or the eager loop here. The steps
+themselves are `steps.Steps`. Each step's tokens go to the host for streaming (`host_stream`);
+nothing the next step needs comes back from the host.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import torch
+
+from lockstep_engine.attention import TorchPagedAttention
+from lockstep_engine.config import EngineConfig
+from lockstep_engine.log import log
+from lockstep_engine.models.llama import LlamaForCausalLM
+from lockstep_engine.parallel import SINGLE, ParallelState, head_weight_in_layers, stage_layers
+from lockstep_engine.runner.cuda_graphs import DecodeGraphs
+from lockstep_engine.runner.host_stream import HostRing, StepStream
+from lockstep_engine.runner.outputs import Guide, GuideFactory, StepOutput, StepTag, WindowTimings
+from lockstep_engine.runner.pipelined import run_pipelined
+from lockstep_engine.runner.step_clock import StepClock
+from lockstep_engine.runner.steps import Steps
+from lockstep_engine.runner.window_state import FirstStep, first_step_phase, has_guided_rows
+from lockstep_engine.scheduler import WindowPlan
+from lockstep_engine.sources import ModelSource
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def configure_cpu_threads() -> int:
+    """Intra-op threads on the CPU: all cores but one by default (LOCKSTEP_CPU_THREADS overrides).
+
+    OpenMP workers spin while they wait; when another busy process shares the cores (the API
+    server, a test client) every small matmul then waits on a descheduled thread, which measured
+    30x slower here on 2 cores. Leaving a core free avoids that.
+    """
+    threads = int(os.environ.get("LOCKSTEP_CPU_THREADS") or max((os.cpu_count() or 2) - 1, 1))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device (expected cpu or auto)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if "float16" == checkpoint_dtype else torch.bfloat16
+
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device):
+    """torch on the CPU; on CUDA the Triton kernels unless `torch` is asked for (or Triton can't run)."""
+    if device.type != "cuda":
+        if name == "triton":
+            raise ValueError("attention_backend='triton' needs device='cuda' (expected torch or auto on the CPU)")
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+    if name == "torch":
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+    try:
+        from lockstep_engine.kernels.triton_attention import TritonPagedAttention
+
+        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+    except (ImportError, ValueError) as error:
+        if name == "triton":
+            raise ValueError(f"attention_backend='triton' is unavailable: {error}") from error
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, state: ParallelState = SINGLE):
+        self.config = config
+        self.guide_factory: GuideFactory | None = None  # set by the engine when guided decoding is available
+        self.model_config = source.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, source.config.dtype)
+        self.state = state
+        # With pipeline stages a window runs as micro-batches in flight, one per stage by default.
+        self.micro_batches = config.pipeline_micro_batches or state.pp_size if state.pp_size > 1 else 1
+        if self.device.type == "cpu":
+            configure_cpu_threads()
+        mc = source.config
+        self.backend = make_backend(config.attention_backend, mc.num_attention_heads // state.tp_size,
+                                    max(mc.num_key_value_heads // state.tp_size, 1), mc.head_dim,
+                                    config.block_size, self.device)
+        layers = stage_layers(mc.num_hidden_layers, state.pp_rank, state.pp_size, head_weight_in_layers(mc),
+                              config.pipeline_layer_partition)
+        started = time.monotonic()
+        with torch.device(self.device):
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = LlamaForCausalLM(mc, state, self.backend, layers)
+            finally:
+                torch.set_default_dtype(previous)
+        self._load_weights(source)
+        log(f"loaded {source.spec} on {self.device} as {str(self.dtype).removeprefix('torch.')} "
+            f"in {time.monotonic() - started:.1f}s")
+        self.block_size = config.block_size
+        self.num_blocks = self._count_kv_blocks()
+        if state.tp_size * state.pp_size > 1:
+            # Every rank must hold the same block ids: agree on the smallest cache.
+            count = torch.tensor([self.num_blocks], dtype=torch.int64,
+                                 device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=state.world_group)
+            self.num_blocks = int(count.item())
+        self._allocate_kv_cache()
+        self.steps = Steps(self.model, state, self.device, self.dtype, mc.hidden_size, mc.vocab_size,
+                           mc.eos_token_ids, self.block_size, self.num_blocks, config.max_model_len)
+        self.clock = StepClock(self.device)
+        self.host_ring = HostRing() if self.device.type == "cuda" else None
+        self._own_backend = self.backend
+        self._backends = {self.backend.name: self.backend}
+        self._graphs_by_backend: dict[str, DecodeGraphs] = {}
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The decode graphs of the current attention backend (None where steps run eagerly)."""
+        if (self.device.type != "cuda" or self.config.enforce_eager or self.state.pp_size > 1
+                or not getattr(self.backend, "graph_safe", False)):
+            return None
+        if self.backend.name not in self._graphs_by_backend:
+            self._graphs_by_backend[self.backend.name] = DecodeGraphs(self.steps)
+        return self._graphs_by_backend[self.backend.name]
+
+    def use_attention_backend(self, name: str) -> None:
+        """Runs the loaded model with another attention backend ("auto": the runner's own), on the same
+        weights and KV cache: engines sharing this runner compare backends without a second copy of
+        the model. Graphs captured with one backend are never replayed with another."""
+        name = self._own_backend.name if name == "auto" else name
+        if name not in self._backends:
+            attn = self.model.attention_layers()[0]
+            self._backends[name] = make_backend(name, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                self.block_size, self.device)
+        backend = self.backend = self._backends[name]
+        for attn in self.model.attention_layers():
+            attn.backend = backend
+        self.graphs = self._decode_graphs()
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _load_weights(self, source: ModelSource) -> None:
+        total, step, loaded = source.num_tensors, max(source.num_tensors // 10, 1), 0
+
+        def progress():
+            nonlocal loaded
+            for index, item in enumerate(source.iter_weights(self.device)):
+                if index % step == 0:
+                    log(f"loading weights {100 * index // max(total, 1)}%")
+                yield item
+                loaded += 1
+
+        self.model.load_weights(progress())
+        log("loading weights 100%")
+
+    def _kv_bytes_per_block(self) -> int:
+        attn = self.model.attention_layers()[0]
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.finfo(self.dtype).bits // 8
+        return per_token * self.block_size * len(self.model.attention_layers())
+
+    def _count_kv_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        per_block = self._kv_bytes_per_block()
+        if self.device.type == "cpu":
+            return max((self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // per_block, 1)
+        if self.config.kv_cache_memory_bytes:
+            return max(self.config.kv_cache_memory_bytes // per_block, 1)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_peak_bytes()
+        budget = total * self.config.gpu_memory_utilization - (total - free) - peak
+        if budget < per_block:
+            raise RuntimeError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for "
+                               f"the KV cache (weights and activations need {(total - free + peak) / 2**30:.1f} GiB)")
+        return int(budget // per_block)
+
+    def _profile_peak_bytes(self) -> int:
+        """Peak activation memory of the largest step a window can run (prefill budget + sampling)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        tokens = min(self.config.max_num_batched_tokens or 2048, 8192)
+        rows = min(self.config.max_num_seqs, tokens)
+        hidden = torch.zeros(tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        if self.model.lm_head is not None:
+            logits = self.model.compute_logits(hidden[:rows]).float()
+            torch.softmax(logits, dim=-1).sort(dim=-1)
+            del logits
+        del hidden
+        # MLP intermediate of a full prefill step
+        extra = tokens * self.model_config.intermediate_size * 3 * torch.finfo(self.dtype).bits // 8
+        peak = torch.cuda.max_memory_allocated(self.device) - before + extra
+        torch.cuda.empty_cache()
+        return peak
+
+    def _allocate_kv_cache(self) -> None:
+        shape = (self.num_blocks + 1, self.block_size)  # + sink block
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(*shape, attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros_like(attn.k_cache)
+        self.sink_slot = self.num_blocks * self.block_size
+        log(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
+            f"({self.num_blocks * self._kv_bytes_per_block() / 2**30:.2f} GiB)")
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for attn in self.model.attention_layers():
+            attn.k_cache[dst] = attn.k_cache[src]
+            attn.v_cache[dst] = attn.v_cache[src]
+
+    def _make_guide(self, rows) -> Guide | None:
+        """The window's grammar masks, on the ranks that sample (every rank of the last stage)."""
+        if not has_guided_rows(rows) or not self.state.is_last_stage:
+            return None
+        if self.guide_factory is None:
+            raise ValueError("response_format: guided decoding is not available in this engine")
+        return self.guide_factory(rows)
+
+    # ---- a window ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
+                       continuing: bool = False) -> WindowTimings:
+        started = time.perf_counter()
+        self.copy_blocks(plan.block_copies)
+        if self.micro_batches > 1 and len(plan.rows) > 1:
+            return run_pipelined(self.steps, self.clock, self.host_ring, self._make_guide, self.micro_batches,
+                                 plan, on_step, continuing, started)
+        steps = self.steps
+        timings = WindowTimings()
+        first = steps.first_step(plan.rows)
+        sampling_rows = first.sampling_rows
+        timings.prepare_s = time.perf_counter() - started
+
+        clock, rows_n = self.clock, len(sampling_rows)
+        clock.begin_window(continuing)
+        graph = self._decode_window_graph(plan, first)
+        if graph is not None:
+            return self._replay_window(graph, plan.num_steps, rows_n, on_step, timings)
+        clock.start(StepTag(1, first_step_phase(plan), rows_n))
+        hidden = steps.forward(first.input_ids, first.positions, first.meta)
+        if not sampling_rows:
+            clock.end()
+            timings.num_steps = 1
+            timings.steps = clock.harvest()  # without a sync this forward is harvested by a later window
+            return timings
+        guide = self._make_guide(sampling_rows)
+        out = steps.share_samples(steps.sample_first(hidden, first, guide), first.sampling, rows_n)
+        state = steps.decode_state(first, out)
+        clock.end()
+        timings.num_steps = 1
+        table_len = state.table.shape[1] * self.block_size
+        # Without a host consumer per step (guided rows, or the CPU where copies are free) the
+        # whole window is launched without waiting; tokens reach the host as each step's copy lands.
+        # The choice depends on the plan only, so every rank of a group loops alike.
+        stream_async = self.device.type == "cuda" and not has_guided_rows(sampling_rows)
+        outputs = StepStream(on_step, timings, self.host_ring)
+        outputs.push(1, state.emitted, out, sync=not stream_async)
+        if guide is not None:
+            guide.accept(outputs.last_tokens)
+        graph = None
+        if self.graphs is not None and plan.num_steps > 1 and self.graphs.usable(state, guide):
+            graph = self.graphs.begin(state)
+        for step in range(2, plan.num_steps + 1):
+            if not stream_async and bool(state.done.all()):
+                break
+            clock.start(StepTag(step, "decode", rows_n))
+            if graph is not None:
+                graph.graph.replay()
+                emitted, out = graph.inputs["emitted"][:, :rows_n], None
+            else:
+                out = steps.step(state, min(first.max_dec_len + step - 1, table_len), guide)
+                emitted = state.emitted
+            clock.end()
+            timings.num_steps = step
+            outputs.push(step, emitted, out, sync=not stream_async)
+            if guide is not None:
+                guide.accept(outputs.last_tokens)
+        outputs.drain()
+        timings.steps = clock.harvest()
+        return timings
+
+    def _decode_window_graph(self, plan: WindowPlan, first: FirstStep):
+        """The graph that runs every step of a window, its first included, when the window is decode
+        rows only: one new token per row, every row sampling, nothing that needs the host per step.
+        Step 1 of such a window is the decode step the graph holds, from the rows' last tokens."""
+        rows = plan.rows
+        if (self.graphs is None or len(first.sampling_rows) != len(rows) or first.input_ids.shape[0] != len(rows)
+                or has_guided_rows(rows)):
+            return None
+        state = self.steps.decode_window_state(first)
+        if not self.graphs.usable(state, None):
+            return None
+        return self.graphs.begin(state)
+
+    def _replay_window(self, graph, num_steps: int, rows_n: int, on_step: Callable[[StepOutput], None],
+                       timings: WindowTimings) -> WindowTimings:
+        """All steps of a decode-only window as graph replays; tokens stream as each step's copy lands."""
+        clock = self.clock
+        outputs = StepStream(on_step, timings, self.host_ring)
+        emitted = graph.inputs["emitted"][:, :rows_n]
+        for step in range(1, num_steps + 1):
+            clock.start(StepTag(step, "decode", rows_n))
+            graph.graph.replay()
+            clock.end()
+            timings.num_steps = step
+            outputs.push(step, emitted, None, sync=self.host_ring is None)
+        outputs.drain()
+        timings.steps = clock.harvest()
+        return timings

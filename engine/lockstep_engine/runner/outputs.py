@@ -1,0 +1,73 @@
+"""What a window hands back to the engine core and metrics: per-step outputs and device timings.
+
+Plain Python, no torch: the engine core and the metrics import these types without the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+
+# Why a row's sequence ended at this step, as the device decided it (`Steps.advance`); the host
+# applies it and only adds what the device cannot see (stop strings, aborts).
+FINISH_NONE = 0  # still running (or done at an earlier step: its token is -1)
+FINISH_STOP = 1  # sampled EOS or a stop token id
+FINISH_LENGTH = 2  # reached max_tokens or max_model_len
+
+
+@dataclass
+class StepOutput:
+    """One step of a window on the host: a token per sampling row, or -1 where the row was done, and
+    each row's finish code (FINISH_*)."""
+
+    step: int
+    tokens: list[int]
+    finish: list[int] | None = None  # None: no row finished (rows of a micro-batch with nothing to run)
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class StepTag:
+    """What the runner knows of a forward when it starts it; its timing may be harvested a window later."""
+
+    step: int  # 1-based step of its window; step 1 follows the window boundary
+    phase: str  # prefill: a window's first step that computed prompt tokens; decode otherwise
+    batch: int  # sampling rows of its window
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One forward's device time (forward + sample + advance) and the idle time before it."""
+
+    tag: StepTag
+    forward_s: float
+    gap_s: float | None  # since the previous forward ended; None: the first step after idle
+
+
+@dataclass
+class WindowTimings:
+    prepare_s: float = 0.0
+    output_s: float = 0.0  # host callbacks (output processing)
+    num_steps: int = 0  # forwards this window executed
+    # Forwards whose device timing completed since the previous window's harvest, oldest first: mostly
+    # this window's, plus earlier ones still running when their own window ended.
+    steps: list[StepTiming] = field(default_factory=list)
+
+
+class Guide(Protocol):
+    """Guided decoding for the sampling rows of one window (see lockstep_engine.guided).
+
+    Rows constrained by a grammar need the token of step k before the mask of step k+1 exists, so a
+    window with guided rows synchronises with the host once per step; other windows never do.
+    """
+
+    def allowed_mask(self): ...  # torch.Tensor [rows, vocab] bool on the device
+
+    def accept(self, tokens: list[int]) -> None: ...  # -1: the row produced nothing this step
+
+
+GuideFactory = Callable[[list], "Guide | None"]
