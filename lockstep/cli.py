@@ -15,7 +15,7 @@ _COMMANDS = {
     "generate": ("lockstep_engine.entrypoints.generate", "main"),
     "fetch": ("lockstep_engine.entrypoints.fetch", "main"),
     "gateway": ("lockstep_gateway.main", "main"),
-    "up": ("lockstep_gateway.up", "main"),
+    "up": ("lockstep.up", "main"),
     "operator": ("lockstep_operator.main", "main"),
 }
 # `lockstep bench <kind>`

@@ -1,8 +1,12 @@
 """The gateway's FastAPI app: OpenAI routes in front of the engines, plus /health and /metrics.
 
-Per request, in this order: API key (401), body size (413), JSON (400), model -> pool (404 for a
-model no engine ever served), per-key rate limits (429 + Retry-After), then the proxy (503 +
-Retry-After when no engine can take it).
+Per request, in this order: an API key in the query string (401, any route), admission (503 +
+Retry-After past `--max-in-flight` requests in progress), API key (401), body size and read time
+(413, 408), JSON (400: not JSON, not UTF-8, a lone surrogate, nested too deep, not an object),
+model -> pool (404 for a model no engine ever served), per-key rate limits (429 + Retry-After),
+then the proxy (503 + Retry-After when no engine can take it). Every answer carries an
+`x-request-id` (the client's, or one made here), which 5xx messages and log lines name; an
+unexpected error is logged with its traceback and answered with the id only.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import contextlib
 import json
 import logging
 import random
+import re
 import ssl
 import time
+import uuid
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,8 +34,8 @@ from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.discovery import KubeAPI, KubernetesDiscovery, watch_config_file
 from lockstep_gateway.errors import GatewayError, error_body, error_response
 from lockstep_gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from lockstep_gateway.proxy import ClientShards, Job, Proxy
-from lockstep_gateway.ratelimit import RateLimiter, estimate_tokens
+from lockstep_gateway.proxy import ClientShards, Job, Proxy, Relayed
+from lockstep_gateway.ratelimit import ClientAddress, RateLimiter, estimate_tokens
 from lockstep_gateway.routing import session_key
 
 log = logging.getLogger("lockstep.gateway")
@@ -44,7 +50,14 @@ PROXIED_ROUTES = {
 GENERATION_ROUTES = ("completions", "chat_completions")
 UPSTREAM_CLIENT_SHARDS = 16
 # Headers the engine may need; everything else (hop-by-hop, host, cookies) stays here.
-FORWARDED_HEADERS = ("x-request-id", "traceparent", "tracestate")
+FORWARDED_HEADERS = ("traceparent", "tracestate")
+# Query parameters that carry a key in some clients: refused, since URLs end up in logs and proxies.
+QUERY_KEY_NAMES = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token"})
+MAX_JSON_DEPTH = 64
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# A \uD800-\uDFFF escape: only then can the parsed body hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+UNAUTHORIZED = "invalid or missing API key (send 'Authorization: Bearer KEY')"
 
 
 class Gateway:
@@ -55,6 +68,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.keys = KeyChecker(load_keys(config.api_key_files, config.api_keys))
         self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+        self.client_address = ClientAddress(config.trusted_proxies)
         timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=30.0, pool=None)
         tls = ssl.create_default_context()  # one for every client: each costs ~0.15 s of CPU to build
         # Health checks and scrapes get a client of their own: they never queue behind proxied traffic.
@@ -71,9 +85,11 @@ class Gateway:
         if self.config.config_file:
             self._tasks.append(asyncio.create_task(
                 watch_config_file(self.config.config_file, self.registry.set_endpoints)))
-        if self.config.kubernetes_namespaces:
+        namespaces: tuple[str | None, ...] = (None,) if self.config.kubernetes_all_namespaces \
+            else self.config.kubernetes_namespaces
+        if namespaces:
             api = KubeAPI.from_environment(self.config.kubeconfig)
-            for namespace in self.config.kubernetes_namespaces:
+            for namespace in namespaces:
                 discovery = KubernetesDiscovery(api, namespace, self.config.kubernetes_label_selector,
                                                 self.registry.set_endpoints)
                 self._tasks.append(asyncio.create_task(discovery.run()))
@@ -88,32 +104,53 @@ class Gateway:
 
     # ---- one proxied request ------------------------------------------------------------------
     async def handle(self, request: Request, route: str) -> Response:
+        request_id = _request_id(request)
         model_label = "unknown"
         status = 500
+        proxy = self.proxy
+        limit = self.config.max_in_flight
+        if limit and proxy.in_flight >= limit:
+            self.metrics.admission_refused.inc()
+            self.metrics.requests.labels(route, model_label, "503").inc()
+            return error_response(GatewayError(503, f"the gateway has {limit} requests in progress (--max-in-flight); "
+                                                    "retry later", retry_after=self.config.retry_after_s), request_id)
+        proxy.in_flight += 1  # no await since the check: admission is atomic on the event loop
+        job = None
+        handed_off = False
         try:
-            job = await self._admit(request, route)
+            job = await self._admit(request, route, request_id)
             if job.model in self.registry.known_models():
                 model_label = job.model
-            response = await self.proxy.forward(job)
+            response = await proxy.forward(job)
             status = response.status_code
+            if isinstance(response, Relayed):
+                handed_off = True
+                response.cleanups.append(self._release_stream)
+            elif status >= 300 and self.limiter.enabled:
+                self.limiter.refund(job.rate_key, job.estimated_tokens)
+            response.headers["x-request-id"] = request_id
             return response
         except GatewayError as error:
             status = error.status
-            return error_response(error)
+            if job is not None and self.limiter.enabled:
+                self.limiter.refund(job.rate_key, job.estimated_tokens)
+            if status >= 500:
+                log.warning("request %s: %d %s", request_id, status, error.message)
+            return error_response(error, request_id)
         finally:
+            if not handed_off:
+                proxy.in_flight -= 1
             self.metrics.requests.labels(route, model_label, str(status)).inc()
 
-    async def _admit(self, request: Request, route: str) -> Job:
+    async def _release_stream(self) -> None:
+        self.proxy.in_flight -= 1
+
+    async def _admit(self, request: Request, route: str, request_id: str) -> Job:
         rate_key = self._authenticate(request)
         body = await self._read_body(request)
-        try:
-            payload = json.loads(body)
-        except ValueError as error:
-            raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
-        if not isinstance(payload, dict):
-            raise GatewayError(400, "the request body must be a JSON object")
+        payload = parse_json_object(body)
         model = self._model(payload)
-        estimate = estimate_tokens(payload) if route in GENERATION_ROUTES else 0
+        estimate = estimate_tokens(payload, self.registry.max_model_len(model)) if route in GENERATION_ROUTES else 0
         if self.limiter.enabled:
             refused = self.limiter.admit(rate_key, estimate)
             if refused is not None:
@@ -121,22 +158,26 @@ class Gateway:
                 self.metrics.rate_limited.labels(limit).inc()
                 raise GatewayError(429, f"rate limit exceeded: {limit} per minute for this key; retry in "
                                         f"{retry_after}s", retry_after=retry_after)
-        headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": request_id}
         for name in FORWARDED_HEADERS:
             if name in request.headers:
                 headers[name] = request.headers[name]
-        if not self.keys.enabled and "authorization" in request.headers:
+        if self.registry.headers:
+            headers.update(self.registry.headers)  # the engines' key, whatever the client sent
+        elif not self.keys.enabled and "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]  # the engine may check its own key
         session = session_key(request.headers, payload, self.config.session_header)
-        return Job(request.url.path, route, body, model, headers, session, rate_key, estimate)
+        # Only after the charge: a request refused before it (401, 400, 404, 429) has nothing to refund.
+        return Job(request.url.path, route, body, model, headers, session, rate_key, estimate, request_id)
 
     def _authenticate(self, request: Request) -> str:
         """The rate-limit key: the API key's id, or the client address when keys are off."""
         if not self.keys.enabled:
-            return "addr:" + (request.client.host if request.client else "unknown")
+            peer = request.client.host if request.client else None
+            return "addr:" + self.client_address.of(peer, request.headers.get("x-forwarded-for"))
         key = self.keys.check(request.headers.get("authorization"))
         if key is None:
-            raise GatewayError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
+            raise GatewayError(401, UNAUTHORIZED)
         return key
 
     async def _read_body(self, request: Request) -> bytes:
@@ -146,11 +187,16 @@ class Gateway:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
         parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise too_large
-            parts.append(part)
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > limit:
+                        raise too_large
+                    parts.append(part)
+        except TimeoutError:
+            raise GatewayError(408, f"the request body did not arrive within {self.config.body_timeout_s:g}s "
+                                    "(--body-timeout)") from None
         return b"".join(parts)
 
     def _model(self, payload: dict) -> str:
@@ -171,6 +217,24 @@ class Gateway:
             raise GatewayError(404, f"the model {model!r} does not exist", "model")
         return model
 
+    async def openapi(self) -> Response:
+        """The engines' OpenAPI document (the request schemas of the routes proxied here), with the
+        gateway's own routes: clients and schema fuzzers see what the gateway accepts."""
+        for backend in self.registry.healthy():
+            try:
+                response = await self.client.get(backend.url + "/openapi.json", headers=self.registry.headers,
+                                                 timeout=self.config.health_check_timeout_s)
+                document = response.json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if response.status_code != 200 or not isinstance(document.get("paths"), dict):
+                continue
+            document["paths"] = {path: spec for path, spec in document["paths"].items()
+                                 if path in PROXIED_ROUTES or path in ("/v1/models", "/health", "/version")}
+            document["info"] = {"title": "Lockstep gateway", "version": lockstep.__version__}
+            return JSONResponse(document)
+        return error_response(self._no_engine())
+
     def _no_engine(self) -> GatewayError:
         return GatewayError(503, "no engine is available yet; retry later", retry_after=self.config.retry_after_s)
 
@@ -184,7 +248,8 @@ class Gateway:
     def engines(self) -> dict:
         now = time.monotonic()
         return {"engines": [
-            {"url": b.url, "healthy": b.healthy, "models": list(b.models), "in_flight": b.in_flight,
+            {"url": b.url, "healthy": b.healthy, "suspect": b.suspect, "breaker_open": b.breaker.is_open,
+             "models": list(b.models), "in_flight": b.in_flight,
              "load": None if b.load is None else vars(b.load), "load_age_s": round(now - b.load_time, 3)
              if b.load is not None else None}
             for b in self.registry.backends.values()]}
@@ -212,8 +277,9 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return JSONResponse(error_body(500, "internal gateway error"), status_code=500)
+        request_id = _request_id(request)
+        log.exception("request %s: unexpected error on %s", request_id, request.url.path)
+        return error_response(GatewayError(500, "internal gateway error"), request_id)
 
     def proxied(route: str):
         async def endpoint(request: Request) -> Response:
@@ -228,8 +294,12 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         if gateway.keys.enabled and gateway.keys.check(request.headers.get("authorization")) is None:
-            return error_response(GatewayError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')"))
+            return error_response(GatewayError(401, UNAUTHORIZED))
         return JSONResponse(gateway.models())
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        return await gateway.openapi()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -240,7 +310,7 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
     @app.get("/gateway/engines")
     async def engines(request: Request) -> Response:
         if gateway.keys.enabled and gateway.keys.check(request.headers.get("authorization")) is None:
-            return error_response(GatewayError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')"))
+            return error_response(GatewayError(401, UNAUTHORIZED))
         return JSONResponse(gateway.engines())
 
     @app.get("/metrics")
@@ -256,4 +326,85 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_allowed_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
+    app.add_middleware(QueryKeyGuard)
     return app
+
+
+class QueryKeyGuard:
+    """401 for a key in the query string, on every route and before anything else: the URL (and the
+    key in it) would land in access logs and proxies. The answer does not echo the key."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("query_string"):
+            names = {part.split(b"=", 1)[0].decode("latin-1").lower() for part in scope["query_string"].split(b"&")}
+            found = sorted(names & QUERY_KEY_NAMES)
+            if found:
+                error = GatewayError(401, f"API keys in the query string ({found[0]}=...) are refused: they end up in "
+                                          "logs; send 'Authorization: Bearer KEY' instead", found[0])
+                return await error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given and _CLIENT_REQUEST_ID.fullmatch(given):
+        return given
+    return "gw-" + uuid.uuid4().hex[:20]
+
+
+def parse_json_object(body: bytes) -> dict:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        payload = json.loads(body)
+    except RecursionError:
+        raise GatewayError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except UnicodeDecodeError as error:
+        raise GatewayError(400, f"the request body is not UTF-8: byte {error.start} is invalid") from None
+    except ValueError as error:
+        raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise GatewayError(400, f"the request body must be a JSON object, not {type(payload).__name__}")
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _depth(payload) > MAX_JSON_DEPTH:
+        raise GatewayError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if _SURROGATE_ESCAPE.search(body):
+        where = _lone_surrogate(payload, "")
+        if where is not None:
+            raise GatewayError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                                    "which is not text", where or None)
+    return payload
+
+
+def _depth(value, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth, counted without recursion and only up to just past `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
+                         if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _lone_surrogate(value, path: str) -> str | None:
+    """The path of the first string (or key) that is not valid text, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in items:
+        child_path = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
+        if isinstance(key, str) and _lone_surrogate(key, child_path) is not None:
+            return child_path
+        found = _lone_surrogate(child, child_path)
+        if found is not None:
+            return found
+    return None

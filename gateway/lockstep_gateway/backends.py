@@ -2,10 +2,15 @@
 
 Discovery sources (static flags, a config file, Kubernetes) each own a set of URLs; an engine is
 known while any source lists it. A known engine takes traffic only after an active health check
-passed (`/health` 200, then `/v1/models` read for the model -> pool map); it is ejected at once when
-it refuses connections or answers 503 (draining, not loaded), after `unhealthy_threshold` timed-out
-checks, or when the proxy cannot connect to it, and readmitted after `healthy_threshold` passing
-checks. Load gauges are scraped from `/metrics` on their own interval.
+passed (`/health` 200, then `/v1/models` read for the model -> pool map and each model's context
+length). Busy is not dead: a check that answers 200, however slowly within the timeout, passes; a
+timed-out check makes the engine *suspect* (no new requests while another engine can take them),
+and only `unhealthy_threshold` timed-out checks in a row eject it. An unresponsive engine's
+requests still waiting for their first byte are then ended (they are not replayed: the engine may
+have started them). A refused connection, or a check answered non-200 (503: loading, draining or
+a dead core) ejects at once; such an engine finishes or fails its own requests. Ejected engines are
+readmitted after `healthy_threshold` passing checks. Load gauges are scraped from `/metrics` on
+their own interval. Checks and scrapes carry the engine key when one is configured.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from lockstep_gateway.breaker import CircuitBreaker
 from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.engine_metrics import parse_engine_load
 from lockstep_gateway.metrics import GatewayMetrics
@@ -31,16 +37,28 @@ class Backend:
     url: str
     sources: set[str] = field(default_factory=set)
     models: tuple[str, ...] = ()
+    max_model_len: dict[str, int] = field(default_factory=dict)
     healthy: bool = False
+    suspect: bool = False  # the last check timed out: new requests go elsewhere if they can
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    last_failure: str | None = None  # logged when it changes, so a never-admitted engine says why once
     load: EngineLoad | None = None
     load_time: float = float("-inf")
+    in_flight_at_scrape: int = 0
     in_flight: int = 0
+    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(5, 5.0))
+    # Resolved when the engine is ejected as unresponsive: attempts waiting for a first byte end.
+    unresponsive: asyncio.Future | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     def candidate(self, now: float) -> Candidate:
-        return Candidate(self.url, self.in_flight, self.load, now - self.load_time)
+        return Candidate(self.url, self.in_flight, self.load, now - self.load_time, self.in_flight_at_scrape)
+
+    def unresponsive_signal(self) -> asyncio.Future:
+        if self.unresponsive is None or self.unresponsive.done():
+            self.unresponsive = asyncio.get_running_loop().create_future()
+        return self.unresponsive
 
 
 class Registry:
@@ -50,6 +68,7 @@ class Registry:
         self.metrics = metrics
         self.backends: dict[str, Backend] = {}
         self.seen_models: set[str] = set()
+        self.headers = {"authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
         self._running = False
 
     # ---- discovery ----------------------------------------------------------------------------
@@ -59,7 +78,8 @@ class Registry:
         for url in wanted:
             backend = self.backends.get(url)
             if backend is None:
-                backend = self.backends[url] = Backend(url)
+                backend = self.backends[url] = Backend(url, breaker=CircuitBreaker(
+                    self.config.breaker_failures, self.config.breaker_cooldown_s))
                 log.info("engine %s discovered (%s)", url, source)
                 if self._running:
                     self._watch(backend)
@@ -89,6 +109,11 @@ class Registry:
         """An engine that never passed a check may serve any model."""
         return any(not b.models for b in self.backends.values())
 
+    def max_model_len(self, model: str) -> int | None:
+        """The smallest context length an engine serving `model` reported (None when none did)."""
+        lengths = [b.max_model_len[model] for b in self.backends.values() if model in b.max_model_len]
+        return min(lengths) if lengths else None
+
     def served_models(self) -> list[str]:
         names: dict[str, None] = {}
         for backend in self.backends.values():
@@ -112,16 +137,21 @@ class Registry:
     def _watch(self, backend: Backend) -> None:
         backend.tasks = [asyncio.create_task(self._check_loop(backend)), asyncio.create_task(self._scrape_loop(backend))]
 
-    def eject(self, backend: Backend, reason: str) -> None:
+    def eject(self, backend: Backend, reason: str, unresponsive: bool = False) -> None:
         backend.consecutive_successes = 0
+        if unresponsive and backend.unresponsive is not None and not backend.unresponsive.done():
+            backend.unresponsive.set_result(reason)
         if backend.healthy:
             backend.healthy = False
             log.warning("engine %s ejected: %s", backend.url, reason)
             self.metrics.ejections.labels(backend.url).inc()
             self.metrics.upstream_healthy.labels(backend.url).set(0)
 
-    def _admit(self, backend: Backend, models: tuple[str, ...]) -> None:
+    def _admit(self, backend: Backend, models: tuple[str, ...], lengths: dict[str, int] | None) -> None:
         backend.models = models
+        backend.suspect = False
+        if lengths is not None:
+            backend.max_model_len = lengths
         self.seen_models.update(models)
         if not backend.healthy:
             backend.healthy = True
@@ -133,7 +163,7 @@ class Registry:
         while True:
             try:
                 await self.check(backend)
-            except Exception as error:  # noqa: BLE001 - a dead check loop would keep a dead engine admitted
+            except Exception as error:
                 log.exception("health check of %s failed unexpectedly", backend.url)
                 self._fail(backend, f"health check error: {type(error).__name__}", definitive=False)
             await asyncio.sleep(self.config.health_check_interval_s)
@@ -142,46 +172,64 @@ class Registry:
         """One active health check: /health, and /v1/models when the engine is (re)admitted."""
         timeout = self.config.health_check_timeout_s
         try:
-            response = await self.client.get(backend.url + "/health", timeout=timeout)
+            response = await self.client.get(backend.url + "/health", timeout=timeout, headers=self.headers)
             if response.status_code != 200:
                 raise _Definitive(f"/health answered {response.status_code}")
-            models = backend.models
+            models, lengths = backend.models, None
             if not backend.healthy:
-                listed = await self.client.get(backend.url + "/v1/models", timeout=timeout)
+                listed = await self.client.get(backend.url + "/v1/models", timeout=timeout, headers=self.headers)
                 if listed.status_code != 200:
-                    raise _Definitive(f"/v1/models answered {listed.status_code}")
-                models = tuple(m["id"] for m in listed.json().get("data", []))
+                    hint = " (give the gateway the engine's key: --engine-api-key-file)" \
+                        if listed.status_code == 401 else ""
+                    raise _Definitive(f"/v1/models answered {listed.status_code}{hint}")
+                data = listed.json().get("data", [])
+                models = tuple(m["id"] for m in data)
+                lengths = {m["id"]: m["max_model_len"] for m in data if isinstance(m.get("max_model_len"), int)}
         except httpx.TimeoutException:
-            self._fail(backend, "health check timed out", definitive=False)
+            self._fail(backend, f"{self.config.unhealthy_threshold} health checks in a row got no answer within "
+                                f"{timeout:g}s", definitive=False)
         except (httpx.HTTPError, _Definitive, ValueError, KeyError, TypeError) as error:
             self._fail(backend, str(error) or type(error).__name__, definitive=True)
         else:
             backend.consecutive_failures = 0
             backend.consecutive_successes += 1
+            backend.last_failure = None
             if backend.healthy or backend.consecutive_successes >= self.config.healthy_threshold:
-                self._admit(backend, models)
+                self._admit(backend, models, lengths)
 
     def _fail(self, backend: Backend, reason: str, definitive: bool) -> None:
         backend.consecutive_successes = 0
         backend.consecutive_failures += 1
-        if definitive or backend.consecutive_failures >= self.config.unhealthy_threshold:
+        if definitive:
+            if not backend.healthy and reason != backend.last_failure:
+                log.info("engine %s not admitted: %s", backend.url, reason)
+            backend.last_failure = reason
             self.eject(backend, reason)
+            return
+        if backend.healthy and not backend.suspect:
+            log.info("engine %s is slow to answer its health check: no new requests while others can take them",
+                     backend.url)
+        backend.suspect = True
+        if backend.consecutive_failures >= self.config.unhealthy_threshold:
+            self.eject(backend, reason, unresponsive=True)
 
     async def _scrape_loop(self, backend: Backend) -> None:
         while True:
             try:
                 await self.scrape(backend)
-            except Exception:  # noqa: BLE001 - keep scraping; stale load is ignored meanwhile
+            except Exception:
                 log.exception("scraping the load of %s failed unexpectedly", backend.url)
             await asyncio.sleep(self.config.metrics_interval_s)
 
     async def scrape(self, backend: Backend) -> None:
         try:
-            response = await self.client.get(backend.url + "/metrics", timeout=self.config.health_check_timeout_s)
+            response = await self.client.get(backend.url + "/metrics", timeout=self.config.health_check_timeout_s,
+                                             headers=self.headers)
             if response.status_code == 200:
                 load = parse_engine_load(response.text)
                 if load is not None:
                     backend.load, backend.load_time = load, time.monotonic()
+                    backend.in_flight_at_scrape = backend.in_flight
         except httpx.HTTPError:
             pass  # the load goes stale and is ignored; health checks decide about ejection
 

@@ -2,7 +2,7 @@
 
 Kubernetes: the gateway lists and then watches the EndpointSlices of LLMService leader Services
 (label `app.kubernetes.io/component=engine-leader`, which the EndpointSlice controller copies from
-the Service) in each namespace it is given. Only endpoints that are ready and not terminating are
+the Service) in each namespace it is given, or in all namespaces with one cluster-wide watch. Only endpoints that are ready and not terminating are
 engines. A watch resumes from the last resourceVersion it saw (bookmarks keep that fresh); a 410
 Gone (the version was compacted away) lists again from scratch. The parsing and the event folding
 are pure functions; `KubernetesDiscovery` is the thin I/O shell around them.
@@ -97,12 +97,18 @@ def apply_event(slices: dict[str, list[str]], event: dict[str, Any]) -> str | No
     metadata = obj.get("metadata") or {}
     if kind == "ERROR":
         return None
-    name = metadata.get("name", "")
+    name = slice_key(obj)
     if kind in ("ADDED", "MODIFIED"):
         slices[name] = slice_endpoints(obj)
     elif kind == "DELETED":
         slices.pop(name, None)
     return metadata.get("resourceVersion")
+
+
+def slice_key(endpoint_slice: dict[str, Any]) -> str:
+    """Slice names are unique per namespace only; a cluster-wide watch sees several namespaces."""
+    metadata = endpoint_slice.get("metadata") or {}
+    return f"{metadata.get('namespace', '')}/{metadata.get('name', '')}"
 
 
 def endpoint_union(slices: dict[str, list[str]]) -> list[str]:
@@ -176,20 +182,24 @@ def _user_file(user: dict[str, Any], name: str) -> str | None:
 
 
 class KubernetesDiscovery:
-    def __init__(self, api: KubeAPI, namespace: str, label_selector: str, set_endpoints: SetEndpoints,
+    """One list-then-watch loop over `namespace`, or over every namespace when it is None."""
+
+    def __init__(self, api: KubeAPI, namespace: str | None, label_selector: str, set_endpoints: SetEndpoints,
                  retry_s: float = 1.0):
         self.api = api
         self.namespace = namespace
         self.label_selector = label_selector
         self.set_endpoints = set_endpoints
         self.retry_s = retry_s
-        self.source = f"kubernetes:{namespace}"
+        self.source = f"kubernetes:{namespace or '*'}"
         self.slices: dict[str, list[str]] = {}
         self.resource_version: str | None = None
         self.num_lists = 0
 
     @property
     def path(self) -> str:
+        if self.namespace is None:
+            return "/apis/discovery.k8s.io/v1/endpointslices"
         return f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
 
     async def run(self) -> None:
@@ -213,7 +223,7 @@ class KubernetesDiscovery:
                                     headers=self.api.headers())
         response.raise_for_status()
         body = response.json()
-        self.slices = {item["metadata"]["name"]: slice_endpoints(item) for item in body.get("items", [])}
+        self.slices = {slice_key(item): slice_endpoints(item) for item in body.get("items", [])}
         self.resource_version = body["metadata"]["resourceVersion"]
         self.num_lists += 1
         self._publish()

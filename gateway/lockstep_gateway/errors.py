@@ -12,6 +12,7 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -35,10 +36,15 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
-def error_response(error: GatewayError) -> JSONResponse:
-    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-    return JSONResponse(error_body(error.status, error.message, error.param), status_code=error.status,
-                        headers=headers)
+def error_response(error: GatewayError, request_id: str | None = None) -> JSONResponse:
+    """A server-side failure names the request id, which the gateway's log line carries too."""
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else {}
+    message = error.message
+    if request_id:
+        headers["x-request-id"] = request_id
+        if error.status >= 500:
+            message = f"{message} (request id {request_id})"
+    return JSONResponse(error_body(error.status, message, error.param), status_code=error.status, headers=headers)
 
 
 def sse_error_event(status: int, message: str) -> bytes:

@@ -6,7 +6,13 @@ engines are the discovered URLs. Nothing request-level (no keys, no users, no re
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's request-latency boundaries, so gateway and engine histograms line up on one dashboard.
@@ -27,8 +33,16 @@ class GatewayMetrics:
         self.upstream_requests = Counter("lockstep_gateway_upstream_requests",
                                          "Attempts sent to an engine, by outcome (ok, error, timeout, retried)",
                                          ["engine", "outcome"], registry=r)
-        self.retries = Counter("lockstep_gateway_retries", "Requests retried on another engine before the first byte",
-                               ["reason"], registry=r)
+        self.retries = Counter("lockstep_gateway_retries",
+                               "Requests retried on another engine after one refused them unstarted", ["reason"],
+                               registry=r)
+        self.retries_refused = Counter("lockstep_gateway_retries_refused",
+                                       "Retries not made because the retry budget was spent", registry=r)
+        self.breaker_opened = Counter("lockstep_gateway_breaker_opened",
+                                      "Times an engine's circuit breaker opened", ["engine"], registry=r)
+        self.admission_refused = Counter("lockstep_gateway_admission_refused",
+                                         "Requests refused with 503 because --max-in-flight were in progress",
+                                         registry=r)
         self.stream_errors = Counter("lockstep_gateway_stream_errors",
                                      "Streams ended with an SSE error event after the first byte", ["reason"], registry=r)
         self.upstream_healthy = Gauge("lockstep_gateway_upstream_healthy",

@@ -1,10 +1,18 @@
-"""Forwarding one client request: choose an engine, retry before the first byte, relay SSE chunk by chunk.
+"""Forwarding one client request: choose an engine, retry only what no engine accepted, relay SSE.
 
-Nothing reaches the client before the engine's first body byte has reached the gateway, so every
-failure up to that point (refused connection, 502/503/504, connect or first-byte timeout, a reset
-before the first chunk) is retried on another engine. After it, a failure ends the stream with an
-SSE error event. Between chunks the idle timeout applies; a client that goes away closes the
-upstream connection, which makes the engine abort the request and free its KV blocks.
+A request is replayed on another engine only when the first one certainly did not start it: the
+connection was refused or never established, the request could not be written, or the engine
+answered 503 with the `X-Lockstep-Retryable` header (it refused the request before accepting it:
+overloaded, loading, draining). Anything else that goes wrong after the request reached an engine
+(a reset, the engine dying, a first-byte timeout, an ejection for unresponsiveness, a 5xx) ends
+with an OpenAI-shaped 502/503/504 to this client only: replaying it could take the next engine down
+too (a poison request). Retries are bounded per request (`max_retries`) and overall (a retry
+budget); failed attempts feed each engine's circuit breaker.
+
+Nothing reaches the client before the engine's first body byte has reached the gateway. After it,
+a failure ends the stream with an SSE error event. Between chunks the idle timeout applies; a
+client that goes away closes the upstream connection, which makes the engine abort the request and
+free its KV blocks. An engine's own 5xx bodies are logged and replaced: they may carry internals.
 """
 
 from __future__ import annotations
@@ -21,14 +29,22 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from lockstep_gateway.backends import Backend, Registry
+from lockstep_gateway.breaker import RetryBudget
 from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.errors import GatewayError, sse_error_event
 from lockstep_gateway.metrics import GatewayMetrics
 from lockstep_gateway.ratelimit import RateLimiter
-from lockstep_gateway.routing import HashRing, is_saturated, pick_least_load, pick_round_robin
+from lockstep_gateway.routing import (
+    HashRing,
+    is_saturated,
+    pick_least_load,
+    pick_round_robin,
+)
 
 log = logging.getLogger("lockstep.gateway")
-RETRYABLE_STATUSES = (502, 503, 504)
+# An engine that refuses a request before accepting it says so with this header on its 503.
+RETRYABLE_HEADER = "x-lockstep-retryable"
+ENGINE_MESSAGE_LOG_CHARS = 2000
 
 
 @dataclass
@@ -43,12 +59,34 @@ class Job:
     session: str | None
     rate_key: str
     estimated_tokens: int
+    request_id: str = ""
+    settled: bool = False  # the engine reported usage and the rate limiter was corrected
 
 
 class _Retry(Exception):
+    """The engine did not accept the request: another engine may take it."""
+
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class Relayed(StreamingResponse):
+    """A streamed answer that releases what it holds (the engine's slot, the upstream response,
+    the gateway's admission) exactly once, even when the client leaves before the first chunk
+    and the body iterator never starts."""
+
+    def __init__(self, content, cleanup, **kwargs):
+        super().__init__(content, **kwargs)
+        self.cleanups = [cleanup]
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for cleanup in self.cleanups:
+                await cleanup()
+            self.cleanups = []
 
 
 class Proxy:
@@ -60,13 +98,17 @@ class Proxy:
         self.metrics = metrics
         self.limiter = limiter
         self.rng = rng or random.Random()
+        self.in_flight = 0  # client requests admitted and not answered yet (streams until their end)
+        self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
         self._round_robin = 0
         self._rings: dict[tuple[str, ...], HashRing] = {}
 
     # ---- choosing ---------------------------------------------------------------------------------
     def choose(self, job: Job, tried: set[str]) -> Backend | None:
         now = time.monotonic()
-        pool = self.registry.healthy(job.model)
+        pool = [b for b in self.registry.healthy(job.model) if b.breaker.allows(now)]
+        if any(not b.suspect for b in pool):
+            pool = [b for b in pool if not b.suspect]  # a suspect engine only when nothing else is left
         by_url = {b.url: b for b in pool}
         cfg = self.config
 
@@ -103,76 +145,171 @@ class Proxy:
         tried: set[str] = set()
         reason = None
         for attempt in range(1 + self.config.max_retries):
+            if attempt and not self.budget.allows(self.in_flight):
+                self.metrics.retries_refused.inc()
+                reason = f"{reason}; the retry budget is spent"
+                break
             backend = self.choose(job, tried)
             if backend is None:
                 break
             tried.add(backend.url)
             if attempt:
                 self.metrics.retries.labels(reason.split(":")[0]).inc()
+                self.budget.retrying += 1
             try:
                 return await self._attempt(backend, job)
             except _Retry as retry:
                 reason = retry.reason
-                log.info("engine %s failed before the first byte (%s)", backend.url, reason)
+                log.info("engine %s did not take the request (%s)", backend.url, reason)
+            finally:
+                if attempt:
+                    self.budget.retrying -= 1
         if reason is None:
             if self.registry.healthy(job.model):
                 message = f"every engine serving {job.model!r} is saturated; retry later"
             else:
                 message = f"no engine serving {job.model!r} is available; retry later"
         else:
-            message = f"engines serving {job.model!r} failed ({reason}); retry later"
+            message = f"engines serving {job.model!r} did not take the request ({reason}); retry later"
         raise GatewayError(503, message, retry_after=self.config.retry_after_s)
 
     async def _attempt(self, backend: Backend, job: Job) -> Response:
-        cfg = self.config
         metrics = self.metrics
         engine = backend.url
+        backend.breaker.on_attempt(time.monotonic())
         self._track(backend, +1)
-        handed_off = False
+        released = handed_off = False
         response = None
         started = time.monotonic()
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                if response is not None:
+                    await _close(response)
+                self._track(backend, -1)
+
         try:
-            client = self.clients.pick()
-            request = client.build_request("POST", engine + job.path, content=job.body, headers=job.headers)
+            response, chunks, first = await self._first_byte(backend, job)
+            metrics.upstream_latency.labels(job.route, "first_byte").observe(time.monotonic() - started)
+            content_type = response.headers.get("content-type", "application/json")
+            if response.status_code >= 500:
+                body = b"" if first is None else first + await self._rest(chunks, engine)
+                raise self._engine_failed(backend, job, response.status_code, body)
+            if content_type.startswith("text/event-stream"):
+                handed_off = True  # released when the stream ends
+                return Relayed(self._relay(backend, job, response, chunks, first, started), release,
+                               status_code=response.status_code, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            body = b"" if first is None else first + await self._rest(chunks, engine)
+            metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
+            metrics.upstream_requests.labels(engine, "ok").inc()
+            backend.breaker.on_success()
+            if response.status_code == 200:
+                self._settle_from_json(job, body)
+            return Response(body, status_code=response.status_code, media_type=content_type)
+        except GatewayError:
+            self._breaker_failure(backend)
+            raise
+        finally:
+            if not handed_off:
+                await release()
+
+    async def _first_byte(self, backend: Backend, job: Job):
+        """Send the request; (response, body iterator, first chunk or None). Raises `_Retry` when
+        the engine did not accept it, GatewayError when it did and then failed, timed out or was
+        ejected as unresponsive."""
+        cfg = self.config
+        engine = backend.url
+        client = self.clients.pick()
+        request = client.build_request("POST", engine + job.path, content=job.body, headers=job.headers)
+        sending = asyncio.ensure_future(self._send(client, request))
+        ejected = backend.unresponsive_signal()
+        try:
+            done, _ = await asyncio.wait((sending, ejected), timeout=cfg.first_byte_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not sending.done():
+                sending.cancel()
+                with contextlib.suppress(BaseException):
+                    await sending
+        if sending in done:
             try:
-                response = await asyncio.wait_for(client.send(request, stream=True), cfg.first_byte_timeout_s)
+                return sending.result()
+            except _Retry:
+                self.metrics.upstream_requests.labels(engine, "retried").inc()
+                raise
             except httpx.ConnectError as error:
                 self.registry.eject(backend, f"connect failed: {error}")
                 raise self._fail(engine, "error", "connect") from None
             except httpx.ConnectTimeout:
                 raise self._fail(engine, "timeout", "connect_timeout") from None
-            except (asyncio.TimeoutError, httpx.TimeoutException):
-                raise self._fail(engine, "timeout", "first_byte_timeout") from None
+            except httpx.WriteError:  # the engine never read the whole request, so it cannot have started it
+                raise self._fail(engine, "error", "write") from None
+            except (httpx.TimeoutException, asyncio.TimeoutError):
+                self.metrics.upstream_requests.labels(engine, "timeout").inc()
+                raise GatewayError(504, f"the engine did not answer within {cfg.first_byte_timeout_s:g}s "
+                                        "(not retried: it may have started the request)") from None
             except httpx.HTTPError as error:
-                raise self._fail(engine, "error", f"upstream: {type(error).__name__}") from None
-            if response.status_code in RETRYABLE_STATUSES:
-                raise self._fail(engine, "retried", f"status {response.status_code}")
+                self.metrics.upstream_requests.labels(engine, "error").inc()
+                log.warning("engine %s lost request %s after accepting it: %s", engine, job.request_id,
+                            type(error).__name__)
+                raise GatewayError(502, "the engine closed the connection before answering (not retried: "
+                                        "it may have started the request)", retry_after=cfg.retry_after_s) from None
+        self.metrics.upstream_requests.labels(engine, "timeout").inc()
+        if ejected in done:
+            raise GatewayError(503, "the engine stopped answering and was taken out of rotation (not retried: it "
+                                    "may have started the request)", retry_after=cfg.retry_after_s)
+        raise GatewayError(504, f"the engine did not answer within {cfg.first_byte_timeout_s:g}s "
+                                "(not retried: it may have started the request)")
+
+    async def _send(self, client: httpx.AsyncClient, request: httpx.Request):
+        response = await client.send(request, stream=True)
+        try:
+            if response.status_code == 503 and RETRYABLE_HEADER in response.headers:
+                raise _Retry("status 503")
             chunks = response.aiter_raw()
-            remaining = max(cfg.first_byte_timeout_s - (time.monotonic() - started), 0.001)
-            first = await self._next(chunks, remaining, engine)
-            metrics.upstream_latency.labels(job.route, "first_byte").observe(time.monotonic() - started)
-            content_type = response.headers.get("content-type", "application/json")
-            if content_type.startswith("text/event-stream"):
-                handed_off = True
-                return StreamingResponse(self._relay(backend, job, response, chunks, first, started),
-                                         status_code=response.status_code, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            parts = [first or b""]
-            if first is not None:
-                # A plain JSON answer is read whole: a failure before its end can still be retried.
-                while (part := await self._next(chunks, cfg.idle_timeout_s, engine)) is not None:
-                    parts.append(part)
-            body = b"".join(parts)
-            metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
-            metrics.upstream_requests.labels(engine, "ok").inc()
-            if response.status_code == 200:
-                self._settle_from_json(job, body)
-            return Response(body, status_code=response.status_code, media_type=content_type)
-        finally:
-            if not handed_off:
-                if response is not None:
-                    await _close(response)
-                self._track(backend, -1)
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = None
+            return response, chunks, first
+        except BaseException:
+            await _close(response)
+            raise
+
+    async def _rest(self, chunks, engine: str) -> bytes:
+        """The rest of a plain (not streamed) answer, chunk by chunk within the idle timeout."""
+        parts = []
+        while True:
+            try:
+                part = await asyncio.wait_for(chunks.__anext__(), self.config.idle_timeout_s)
+            except StopAsyncIteration:
+                return b"".join(parts)
+            except (asyncio.TimeoutError, httpx.TimeoutException):
+                self.metrics.upstream_requests.labels(engine, "timeout").inc()
+                raise GatewayError(504, f"the engine's answer stalled for {self.config.idle_timeout_s:g}s") from None
+            except httpx.HTTPError:
+                self.metrics.upstream_requests.labels(engine, "error").inc()
+                raise GatewayError(502, "the connection to the engine was lost mid-answer (not retried)") from None
+            parts.append(part)
+
+    def _engine_failed(self, backend: Backend, job: Job, status: int, body: bytes) -> GatewayError:
+        self.metrics.upstream_requests.labels(backend.url, "error").inc()
+        log.warning("engine %s answered %d to request %s: %s", backend.url, status, job.request_id,
+                    body[:ENGINE_MESSAGE_LOG_CHARS].decode(errors="replace"))
+        if status == 503:
+            return GatewayError(503, "the engine could not serve this request (not retried: it may have started "
+                                     "it)", retry_after=self.config.retry_after_s)
+        return GatewayError(502, f"the engine failed with status {status} while serving this request "
+                                 "(not retried: it may have started it)")
+
+    def _breaker_failure(self, backend: Backend) -> None:
+        if backend.breaker.on_failure(time.monotonic()):
+            self.metrics.breaker_opened.labels(backend.url).inc()
+            log.warning("engine %s: circuit breaker open for %gs after %d failed requests", backend.url,
+                        self.config.breaker_cooldown_s, backend.breaker.failures)
 
     def _track(self, backend: Backend, delta: int) -> None:
         backend.in_flight += delta
@@ -182,18 +319,6 @@ class Proxy:
     def _fail(self, engine: str, outcome: str, reason: str) -> _Retry:
         self.metrics.upstream_requests.labels(engine, outcome).inc()
         return _Retry(reason)
-
-    async def _next(self, chunks, timeout: float, engine: str) -> bytes | None:
-        """The next raw chunk within `timeout`, before anything reached the client (so a failure is
-        retryable); None at the end of the body."""
-        try:
-            return await asyncio.wait_for(chunks.__anext__(), timeout)
-        except StopAsyncIteration:
-            return None
-        except (asyncio.TimeoutError, httpx.TimeoutException):
-            raise self._fail(engine, "timeout", "first_byte_timeout") from None
-        except httpx.HTTPError as error:
-            raise self._fail(engine, "error", f"upstream: {type(error).__name__}") from None
 
     async def _relay(self, backend: Backend, job: Job, response: httpx.Response, chunks, first: bytes | None,
                      started: float):
@@ -236,12 +361,15 @@ class Proxy:
         finally:
             metrics.upstream_requests.labels(engine, outcome).inc()
             metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
-            self._track(backend, -1)
-            await _close(response)
+            if outcome == "ok":
+                backend.breaker.on_success()
+            else:
+                self._breaker_failure(backend)
 
     # ---- token accounting ---------------------------------------------------------------------------
     def _settle(self, job: Job, usage) -> None:
-        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
+        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int) and not job.settled:
+            job.settled = True
             self.limiter.settle(job.rate_key, job.estimated_tokens, usage["total_tokens"])
 
     def _settle_from_json(self, job: Job, body: bytes) -> None:
@@ -304,7 +432,5 @@ class ClientShards:
 
 
 async def _close(response: httpx.Response) -> None:
-    try:
+    with contextlib.suppress(Exception):  # the connection is being dropped anyway
         await response.aclose()
-    except Exception:  # noqa: BLE001 - the connection is being dropped anyway
-        pass

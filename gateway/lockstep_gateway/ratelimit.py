@@ -3,12 +3,18 @@
 A bucket holds up to `limit` units and refills at `limit / 60` per second. A request is admitted
 when the bucket holds its cost (or, for a cost above the whole limit, when the bucket is full), so
 one large request is never refused forever; the bucket may then go negative and the key waits.
-Token costs are estimated at admission (prompt + max_tokens) and corrected when the engine reports
-usage. The clock is injected, so tests need no sleeps.
+Token costs are estimated at admission, (prompt + min(max_tokens, what the context leaves)) per
+prompt, times `n`, and corrected when the engine reports usage; a request that gets no 2xx answer
+is refunded whole (request and tokens), so a refused request costs nothing. The clock is injected,
+so tests need no sleeps.
+
+Without API keys the bucket is per client address: the TCP peer, or, when the peer is one of the
+configured trusted proxies, the nearest untrusted address of its `X-Forwarded-For` chain.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import time
 from collections.abc import Callable
@@ -73,29 +79,98 @@ class RateLimiter:
         bucket = self._bucket(key, "tokens", self.tpm, self.clock())
         bucket.level = min(bucket.level + estimated_tokens - actual_tokens, bucket.limit_per_minute)
 
+    def refund(self, key: str, estimated_tokens: int) -> None:
+        """The request was refused or failed: it costs nothing."""
+        now = self.clock()
+        if self.rpm:
+            bucket = self._bucket(key, "requests", self.rpm, now)
+            bucket.level = min(bucket.level + 1, bucket.limit_per_minute)
+        if self.tpm:
+            bucket = self._bucket(key, "tokens", self.tpm, now)
+            bucket.level = min(bucket.level + estimated_tokens, bucket.limit_per_minute)
 
-def estimate_tokens(body: dict) -> int:
-    """Prompt tokens (exact for token ids, ~4 characters a token for text) plus the output budget."""
-    prompt = 0
+
+# Far above any real request, and small enough that bucket arithmetic in floats stays exact.
+MAX_ESTIMATE = 1 << 50
+DEFAULT_MAX_TOKENS = 16  # vLLM's default for completions
+
+
+def _text_tokens(text: str) -> int:
+    return len(text) // 4 + 1  # ~4 characters a token
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def prompt_lengths(body: dict) -> list[int]:
+    """Estimated prompt tokens of each prompt in the request (exact for token ids). Values of the
+    wrong type count as nothing here: the engine refuses them with a 400 (which is refunded)."""
     value = body.get("prompt")
     if isinstance(value, str):
-        prompt = len(value) // 4 + 1
-    elif isinstance(value, list):
+        return [_text_tokens(value)]
+    if isinstance(value, list) and value:
+        if all(_is_int(item) for item in value):
+            return [len(value)]  # one prompt of token ids
+        lengths = []
         for item in value:
-            if isinstance(item, int):
-                prompt += 1
-            elif isinstance(item, str):
-                prompt += len(item) // 4 + 1
+            if isinstance(item, str):
+                lengths.append(_text_tokens(item))
             elif isinstance(item, list):
-                prompt += len(item)
-    for message in body.get("messages") or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            prompt += len(content) // 4 + 4
-        elif isinstance(content, list):
-            prompt += sum(len(str(part.get("text", ""))) // 4 + 1 for part in content if isinstance(part, dict))
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-    n = body.get("n") or 1
-    if not isinstance(max_tokens, int) or not isinstance(n, int):
-        return prompt + 16
-    return prompt + max(max_tokens, 0) * max(n, 1)
+                lengths.append(len(item))
+        return lengths or [1]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += _text_tokens(content) + 3
+            elif isinstance(content, list):
+                total += sum(_text_tokens(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+        return [total or 1]
+    return [1]
+
+
+def estimate_tokens(body: dict, max_model_len: int | None = None) -> int:
+    """(prompt + min(max_tokens, what the context leaves)) per prompt, times `n`."""
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if not _is_int(max_tokens):
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None or max_model_len is None else max_model_len
+    n = body.get("n")
+    n = n if _is_int(n) and n >= 1 else 1
+    total = 0
+    for prompt in prompt_lengths(body):
+        output = max(max_tokens, 0)
+        if max_model_len is not None:
+            output = min(output, max(max_model_len - prompt, 0))
+        total += prompt + output
+    return min(total * n, MAX_ESTIMATE)
+
+
+class ClientAddress:
+    """Who a request comes from, for limits without keys: `X-Forwarded-For` is believed only from
+    trusted proxies (an ingress), or anyone could pick their own bucket."""
+
+    def __init__(self, trusted: tuple[str, ...]):
+        self.trusted = [ipaddress.ip_network(t, strict=False) for t in trusted]
+
+    def _is_trusted(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address.strip().strip("[]"))
+        except ValueError:
+            return False
+        return any(ip in network for network in self.trusted)
+
+    def of(self, peer: str | None, forwarded_for: str | None) -> str:
+        if peer is None:
+            return "unknown"
+        if not self.trusted or not forwarded_for or not self._is_trusted(peer):
+            return peer
+        # Each proxy appends the address it saw: the nearest untrusted one is the client.
+        for hop in reversed([h.strip() for h in forwarded_for.split(",") if h.strip()]):
+            if not self._is_trusted(hop):
+                return hop
+        return peer

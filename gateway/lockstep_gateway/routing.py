@@ -36,6 +36,9 @@ class Candidate:
     in_flight: int = 0
     load: EngineLoad | None = None
     load_age_s: float = float("inf")
+    # The gateway's open requests on the engine when `load` was scraped: requests sent since are
+    # not in the scraped queue yet, so a burst counts at once and not one scrape later.
+    in_flight_at_scrape: int = 0
 
 
 def load_score(candidate: Candidate, stale_after_s: float) -> float:
@@ -52,9 +55,16 @@ def is_saturated(candidate: Candidate, stale_after_s: float, queue_depth: int, m
     """An engine takes no new request past either limit (0 = no limit)."""
     if max_in_flight and candidate.in_flight >= max_in_flight:
         return True
+    return bool(queue_depth and predicted_waiting(candidate, stale_after_s) >= queue_depth)
+
+
+def predicted_waiting(candidate: Candidate, stale_after_s: float) -> float:
+    """The engine's waiting queue now: the scraped count plus what this gateway sent since the
+    scrape; 0 without a fresh scrape (then only `max_in_flight` bounds an engine)."""
     load = candidate.load
-    fresh = load is not None and candidate.load_age_s <= stale_after_s
-    return bool(queue_depth and fresh and load.num_waiting >= queue_depth)
+    if load is None or candidate.load_age_s > stale_after_s:
+        return 0.0
+    return load.num_waiting + max(0, candidate.in_flight - candidate.in_flight_at_scrape)
 
 
 def pick_least_load(candidates: Sequence[Candidate], stale_after_s: float, rng: random.Random) -> Candidate:

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from gateway_harness import Engine, Gateway, wait_for
 
 

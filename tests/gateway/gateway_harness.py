@@ -102,7 +102,8 @@ class Engine(Process):
     def kill(self) -> None:
         """kill -9 the API server and its engine core (a dead pod)."""
         assert self.process is not None
-        children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout.split()
+        children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True,
+                              check=False).stdout.split()
         self.process.kill()
         self.process.wait(timeout=10)
         for pid in children:
@@ -156,7 +157,9 @@ class Gateway(Process):
 # ---- a fake engine for failures on demand ------------------------------------------------------
 class FakeEngine:
     """An OpenAI-shaped server that answers /health, /v1/models and /metrics like an engine and
-    misbehaves on POST as told: `hang` (never answers), `status:503`, or `ok` (one SSE event + DONE)."""
+    misbehaves on POST as told: `hang` (never answers), `status:N` (an error), `status:503:retryable`
+    (the engine's "refused before accepting" 503), `reset` (reads the request, then drops the
+    connection), or `ok` (one SSE event + DONE). `GET /fake/posts` counts the POSTs."""
 
     def __init__(self, models: list[str], behaviour: str = "hang", host: str = "127.0.0.1"):
         self.models = models
@@ -188,6 +191,8 @@ class FakeEngine:
                     self._send(200, json.dumps({"object": "list", "data": [{"id": m} for m in fake.models]}).encode())
                 elif self.path == "/metrics":
                     self._send(200, b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n", "text/plain")
+                elif self.path == "/fake/posts":
+                    self._send(200, str(fake.num_posts).encode())
                 else:
                     self._send(404, b"{}")
 
@@ -197,9 +202,22 @@ class FakeEngine:
                 if fake.behaviour == "hang":
                     fake.release.wait(60)
                     self.close_connection = True
+                elif fake.behaviour == "reset":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
                 elif fake.behaviour.startswith("status:"):
                     status = int(fake.behaviour.split(":")[1])
-                    self._send(status, json.dumps({"error": {"message": "fake", "code": status}}).encode())
+                    self.close_connection = True
+                    body = json.dumps({"error": {"message": "fake failure: Traceback (most recent call last)",
+                                                 "code": status}}).encode()
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(body)))
+                    self.send_header("connection", "close")
+                    if fake.behaviour.endswith(":retryable"):
+                        self.send_header("x-lockstep-retryable", "overloaded")
+                    self.end_headers()
+                    self.wfile.write(body)
                 else:
                     event = json.dumps({"model": fake.models[0], "choices": [{"index": 0, "text": "fake"}]})
                     self._send(200, f"data: {event}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")

@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
-import socket
+import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
-from gateway_harness import MODEL, FakeEngine, wait_for
+from gateway_harness import MODEL, wait_for
 from lockstep_gateway.discovery import (
     KubeAPI,
     KubernetesDiscovery,
@@ -138,15 +140,52 @@ def test_watch_resumes_from_bookmarks_and_lists_again_after_410():
 
 
 # ---- a real API server --------------------------------------------------------------------------
-def _host_address() -> str | None:
-    """A non-loopback address of this machine: the API server refuses loopback endpoint addresses."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect(("10.254.254.254", 9))  # picks the default route's source address; no packet is sent
-            address = sock.getsockname()[0]
-        except OSError:
-            return None
-    return None if address.startswith("127.") else address
+# The API server refuses loopback endpoint addresses, so the engine lives in a network namespace
+# this test makes, joined to the host by a veth pair: the "pod IP" is an address inside it.
+POD_ADDR, HOST_ADDR = "10.231.78.2", "10.231.78.1"
+FAKE_IN_NAMESPACE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from gateway_harness import FakeEngine
+with FakeEngine([sys.argv[2]], behaviour="ok", host=sys.argv[3]) as fake:
+    print(fake.port, flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def pod_engine():
+    """A fake engine on POD_ADDR inside a fresh network namespace: (url, number of POSTs it got)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace")
+    tag = uuid.uuid4().hex[:6]
+    namespace, outside, inside = f"lsg{tag}", f"vga{tag}", f"vgb{tag}"
+    process = None
+    try:
+        _ip("netns", "add", namespace)
+        _ip("-n", namespace, "link", "set", "lo", "up")
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        _ip("link", "set", inside, "netns", namespace)
+        _ip("addr", "add", f"{HOST_ADDR}/30", "dev", outside)
+        _ip("link", "set", outside, "up")
+        _ip("-n", namespace, "addr", "add", f"{POD_ADDR}/30", "dev", inside)
+        _ip("-n", namespace, "link", "set", inside, "up")
+        process = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-c", FAKE_IN_NAMESPACE,
+                                    str(Path(__file__).parent), MODEL, POD_ADDR],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        port = int(process.stdout.readline())
+        url = f"http://{POD_ADDR}:{port}"
+        yield url, lambda: int(httpx.get(url + "/fake/posts", timeout=5).text)
+    finally:
+        if process is not None:
+            process.stdin.close()
+            process.wait(timeout=10)
+        subprocess.run(["ip", "link", "del", outside], capture_output=True, timeout=30, check=False)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -169,15 +208,14 @@ def control_plane(tmp_path_factory):
         plane.stop()
 
 
-def test_engines_are_discovered_from_endpointslices_of_a_real_api_server(control_plane, start_gateway):
-    address = _host_address()
-    if address is None:
-        pytest.skip("this machine has no non-loopback IPv4 address for pod IPs")
+def test_engines_are_discovered_from_endpointslices_of_a_real_api_server(control_plane, pod_engine, start_gateway):
+    engine_url, num_posts = pod_engine
+    address, port = POD_ADDR, int(engine_url.rsplit(":", 1)[1])
     env = {"KUBECONFIG": str(control_plane.kubeconfig)}
 
     def kubectl(*args: str, manifest: dict | None = None) -> str:
         result = subprocess.run([control_plane.kubectl, "-n", "llm", *args], input=json.dumps(manifest) if manifest
-                                else None, capture_output=True, text=True, env=env, timeout=60)
+                                else None, capture_output=True, text=True, env=env, timeout=60, check=False)
         assert result.returncode == 0, result.stderr
         return result.stdout
 
@@ -186,37 +224,38 @@ def test_engines_are_discovered_from_endpointslices_of_a_real_api_server(control
                              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
         kubectl("patch", "pod", "svc-g0-0", "--subresource=status", "--type=merge", "-p", json.dumps(status))
 
-    with FakeEngine([MODEL], behaviour="ok", host=address) as fake:
-        subprocess.run([control_plane.kubectl, "create", "namespace", "llm"], env=env, check=True, capture_output=True)
-        # The EndpointSlice controller skips pods on nodes it does not know.
-        kubectl("apply", "-f", "-", manifest={"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}})
-        # What the operator builds: a leader Service labelled for LLMServices, selecting leader pods.
-        kubectl("apply", "-f", "-", manifest={
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "svc", "labels": {"app.kubernetes.io/component": "engine-leader",
-                                                   "serving.lockstep.dev/service": "svc"}},
-            "spec": {"selector": {"serving.lockstep.dev/service": "svc", "role": "leader"},
-                     "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}})
-        kubectl("apply", "-f", "-", manifest={
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "svc-g0-0", "labels": {"serving.lockstep.dev/service": "svc", "role": "leader"},
-                         "finalizers": ["test.lockstep.dev/hold"]},
-            "spec": {"nodeName": "node-1", "containers": [{"name": "engine", "image": "registry.invalid/engine:0",
-                                                           "ports": [{"name": "http", "containerPort": fake.port}]}]}})
-        gateway = start_gateway("--kubernetes-namespace=llm", f"--kubeconfig={control_plane.kubeconfig}")
-        pod_ready(True)
-        gateway.wait_engines({fake.url})
-        response = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
-        assert response.status_code == 200 and fake.num_posts == 1
+    subprocess.run([control_plane.kubectl, "create", "namespace", "llm"], env=env, check=True, capture_output=True)
+    # The EndpointSlice controller skips pods on nodes it does not know.
+    kubectl("apply", "-f", "-", manifest={"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}})
+    # What the operator builds: a leader Service labelled for LLMServices, selecting leader pods.
+    kubectl("apply", "-f", "-", manifest={
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "svc", "labels": {"app.kubernetes.io/component": "engine-leader",
+                                               "serving.lockstep.dev/service": "svc"}},
+        "spec": {"selector": {"serving.lockstep.dev/service": "svc", "role": "leader"},
+                 "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}})
+    kubectl("apply", "-f", "-", manifest={
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "svc-g0-0", "labels": {"serving.lockstep.dev/service": "svc", "role": "leader"},
+                     "finalizers": ["test.lockstep.dev/hold"]},
+        "spec": {"nodeName": "node-1", "containers": [{"name": "engine", "image": "registry.invalid/engine:0",
+                                                       "ports": [{"name": "http", "containerPort": port}]}]}})
+    gateway = start_gateway("--kubernetes-namespace=llm", f"--kubeconfig={control_plane.kubeconfig}")
+    pod_ready(True)
+    gateway.wait_engines({engine_url})
+    response = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+    assert response.status_code == 200 and num_posts() == 1
+    everywhere = start_gateway("--kubernetes-all-namespaces", f"--kubeconfig={control_plane.kubeconfig}")
+    everywhere.wait_engines({engine_url})  # one cluster-wide watch finds the namespace by itself
 
-        pod_ready(False)  # readiness probe failing: out of rotation
-        wait_for("the not-ready engine to leave", lambda: gateway.engines() == {}, timeout=30)
-        pod_ready(True)
-        gateway.wait_engines({fake.url})
+    pod_ready(False)  # readiness probe failing: out of rotation
+    wait_for("the not-ready engine to leave", lambda: gateway.engines() == {}, timeout=30)
+    pod_ready(True)
+    gateway.wait_engines({engine_url})
 
-        kubectl("delete", "pod", "svc-g0-0", "--wait=false")  # held by the finalizer: terminating
-        wait_for("the terminating engine to leave", lambda: gateway.engines() == {}, timeout=30)
-        kubectl("patch", "pod", "svc-g0-0", "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
+    kubectl("delete", "pod", "svc-g0-0", "--wait=false")  # held by the finalizer: terminating
+    wait_for("the terminating engine to leave", lambda: gateway.engines() == {}, timeout=30)
+    kubectl("patch", "pod", "svc-g0-0", "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
 
 
 def test_kubeconfig_credentials_inline_or_as_files(tmp_path):

@@ -114,11 +114,17 @@ def test_kill_9_mid_stream_errors_its_streams_fails_over_and_readmits_the_restar
 
 def test_sigstop_engine_times_out_its_streams_and_the_gateway_stays_responsive(engines, start_gateway):
     idle_timeout = 2.0
+    first_byte_timeout = 2.0
     gateway = start_gateway(*[f"--engine={e.url}" for e in engines], f"--idle-timeout={idle_timeout}",
-                            "--first-byte-timeout=2", "--health-check-timeout=0.5",
+                            f"--first-byte-timeout={first_byte_timeout}", "--health-check-timeout=0.5",
                             expect_healthy={e.url for e in engines})
     frozen = engines[0]
     core_pids = [int(p) for p in _children(frozen)]
+
+    async def timed(client) -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        response = await complete(client, gateway.url)
+        return response, time.monotonic() - started
 
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -133,6 +139,17 @@ def test_sigstop_engine_times_out_its_streams_and_the_gateway_stays_responsive(e
                 started = time.monotonic()
                 health = await client.get(gateway.url + "/health")
                 assert health.status_code == 200 and time.monotonic() - started < 1.0
+                # Sent before the gateway noticed: the frozen engine's share ends within the first-byte
+                # timeout with an error (never replayed: it may have started them); the rest is served.
+                early = await asyncio.gather(*[timed(client) for _ in range(6)])
+                for response, took in early:
+                    assert response.status_code in (200, 503, 504), response.text
+                    assert took <= first_byte_timeout + 1.5
+                def avoided() -> bool:
+                    state = gateway.engines()[frozen.url]
+                    return state["suspect"] or not state["healthy"]
+
+                await poll("the frozen engine to be avoided", avoided, 10)
                 responses = await asyncio.gather(*[complete(client, gateway.url) for _ in range(6)])
                 assert [r.status_code for r in responses] == [200] * 6
                 await poll("the frozen engine's streams to time out",
@@ -157,7 +174,8 @@ def test_sigstop_engine_times_out_its_streams_and_the_gateway_stays_responsive(e
 def _children(engine: Engine) -> list[str]:
     import subprocess
 
-    return subprocess.run(["pgrep", "-P", str(engine.process.pid)], capture_output=True, text=True).stdout.split()
+    return subprocess.run(["pgrep", "-P", str(engine.process.pid)], capture_output=True, text=True,
+                          check=False).stdout.split()
 
 
 def _signal_all(engine: Engine, pids: list[int], sig: int) -> None:
@@ -171,28 +189,84 @@ def _signal_all(engine: Engine, pids: list[int], sig: int) -> None:
             pass
 
 
-def test_an_engine_that_never_answers_is_retried_on_another_before_the_first_byte(engines, start_gateway):
+def _posts(gateway, body=None, n: int = 4) -> list[httpx.Response]:
+    body = body or {"model": MODEL, "prompt": [1], "max_tokens": 1}
+    return [httpx.post(gateway.url + "/v1/completions", json=body, timeout=30) for _ in range(n)]
+
+
+def _gateway_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and "Traceback" not in response.text
+    assert response.headers["x-request-id"] in error["message"]  # the id the gateway's log line names
+    return error
+
+
+def test_an_engine_that_accepted_a_request_and_never_answers_is_not_replayed_elsewhere(engines, start_gateway):
     with FakeEngine([MODEL], behaviour="hang") as fake:
         gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
                                 "--first-byte-timeout=1", expect_healthy={fake.url, engines[0].url})
+        before = ok_counts(gateway, engines[:1])[engines[0].url]
+        responses = _posts(gateway)
+        timed_out = [r for r in responses if r.status_code == 504]
+        assert sorted(r.status_code for r in responses) == [200, 200, 504, 504]
+        for response in timed_out:
+            assert "not retried" in _gateway_error(response, 504)["message"]
+        assert fake.num_posts == len(timed_out)
+        assert ok_counts(gateway, engines[:1])[engines[0].url] - before == 2  # nothing replayed onto it
+        assert gateway.metric("lockstep_gateway_retries_total") == 0
 
-        async def scenario():
-            async with httpx.AsyncClient(timeout=30) as client:
-                return await asyncio.gather(*[complete(client, gateway.url) for _ in range(4)])
 
-        assert [r.status_code for r in asyncio.run(scenario())] == [200] * 4
-        assert fake.num_posts >= 1
-        assert gateway.metric("lockstep_gateway_retries_total", reason="first_byte_timeout") == fake.num_posts
-
-
-def test_an_engine_answering_503_is_retried_on_another(engines, start_gateway):
-    with FakeEngine([MODEL], behaviour="status:503") as fake:
+def test_an_engine_that_refused_a_request_unstarted_503_retryable_is_retried_on_another(engines, start_gateway):
+    with FakeEngine([MODEL], behaviour="status:503:retryable") as fake:
         gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
                                 expect_healthy={fake.url, engines[0].url})
-        responses = [httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": [1], "max_tokens": 1},
-                                timeout=30) for _ in range(4)]
-        assert [r.status_code for r in responses] == [200] * 4
+        assert [r.status_code for r in _posts(gateway)] == [200] * 4
         assert fake.num_posts >= 1
+        assert gateway.metric("lockstep_gateway_retries_total", reason="status 503") == fake.num_posts
+
+
+def test_a_plain_503_or_a_reset_after_acceptance_ends_that_request_only(engines, start_gateway):
+    for behaviour, status in (("status:503", 503), ("reset", 502), ("status:500", 502)):
+        with FakeEngine([MODEL], behaviour=behaviour) as fake:
+            gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
+                                    expect_healthy={fake.url, engines[0].url})
+            before = ok_counts(gateway, engines[:1])[engines[0].url]
+            responses = _posts(gateway)
+            failed = [r for r in responses if r.status_code != 200]
+            assert len(failed) == 2 and fake.num_posts == 2, (behaviour, [r.status_code for r in responses])
+            for response in failed:
+                assert "not retried" in _gateway_error(response, status)["message"]
+            assert ok_counts(gateway, engines[:1])[engines[0].url] - before == 2
+            assert gateway.metric("lockstep_gateway_retries_total") == 0
+
+
+def test_the_retry_budget_bounds_retries(engines, start_gateway):
+    with FakeEngine([MODEL], behaviour="status:503:retryable") as fake:
+        gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
+                                "--retry-budget-ratio=0", "--retry-budget-min=0",
+                                expect_healthy={fake.url, engines[0].url})
+        statuses = sorted(r.status_code for r in _posts(gateway))
+        assert statuses == [200, 200, 503, 503]
+        assert gateway.metric("lockstep_gateway_retries_refused_total") == 2
+        assert gateway.metric("lockstep_gateway_retries_total") == 0
+
+
+def test_consecutive_failures_open_the_breaker_and_a_probe_closes_it(engines, start_gateway):
+    with FakeEngine([MODEL], behaviour="status:500") as fake:
+        gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
+                                "--breaker-failures=2", "--breaker-cooldown=2",
+                                expect_healthy={fake.url, engines[0].url})
+        first = _posts(gateway, n=4)
+        assert fake.num_posts == 2 and sorted(r.status_code for r in first) == [200, 200, 502, 502]
+        assert gateway.metric("lockstep_gateway_breaker_opened_total", engine=fake.url) == 1
+        assert [r.status_code for r in _posts(gateway, n=6)] == [200] * 6  # open: the fake gets nothing
+        assert fake.num_posts == 2
+        fake.behaviour = "ok"
+        wait_for("the half-open probe", lambda: _posts(gateway, n=1) and fake.num_posts >= 3, timeout=10)
+        probed = fake.num_posts
+        assert [r.status_code for r in _posts(gateway, n=4)] == [200] * 4
+        assert fake.num_posts >= probed + 1  # the probe succeeded: closed again, round robin reaches it
 
 
 def test_503_with_retry_after_when_every_engine_is_down(start_gateway):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +19,8 @@ def _descendants(pid: int) -> set[int]:
     found: set[int] = set()
     frontier = [pid]
     while frontier:
-        children = subprocess.run(["pgrep", "-P", str(frontier.pop())], capture_output=True, text=True).stdout.split()
+        children = subprocess.run(["pgrep", "-P", str(frontier.pop())], capture_output=True, text=True,
+                                  check=False).stdout.split()
         for child in map(int, children):
             if child not in found:
                 found.add(child)
@@ -30,6 +34,38 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+class _Load:
+    """Clients sending completions back to back from a thread: (start time, status) per request."""
+
+    def __init__(self, url: str, clients: int = 4):
+        self.url = url
+        self.clients = clients
+        self.results: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    async def _run(self) -> None:
+        async def client_loop() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                while not self._stop.is_set():
+                    started = time.monotonic()
+                    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True}
+                    try:
+                        status = (await client.post(self.url + "/v1/completions", json=body)).status_code
+                    except httpx.HTTPError:
+                        status = 0
+                    self.results.append((started, status))
+
+        await asyncio.gather(*[client_loop() for _ in range(self.clients)])
 
 
 def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind(tmp_path):
@@ -54,10 +90,22 @@ def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind
         assert len(processes) >= 4  # two API servers and their engine cores
 
         crashed = min(p for p in processes if b"\0serve\0" in Path(f"/proc/{p}/cmdline").read_bytes())
+        load = _Load(url)
+        load.start()
+        wait_for("the load to run", lambda: len(load.results) >= 20, timeout=60)
+        killed_at = time.monotonic()
         os.kill(crashed, signal.SIGKILL)  # an engine crashes: `up` starts it again, the gateway readmits it
         wait_for("the crashed engine to be ejected",
                  lambda: httpx.get(url + "/health", timeout=2).json()["healthy_engines"] == 1, timeout=30)
-        wait_for("the restarted engine to be readmitted", ready, timeout=ENGINE_START_TIMEOUT_S, interval=0.2)
+        wait_for("the restarted engine to be readmitted", ready, timeout=60, interval=0.2)
+        back_after = time.monotonic() - killed_at
+        load.stop()
+        failed = [(started, status) for started, status in load.results if status != 200]
+        assert all(started < killed_at for started, _ in failed), failed  # none that had not started
+        assert all(status in (502, 503) for _, status in failed) and len(failed) <= load.clients
+        assert sum(started >= killed_at for started, _ in load.results) >= 10
+        print(f"up --replicas 2, kill -9 of one engine under load: {len(load.results)} requests, "
+              f"{len(failed)} failed (all in progress at the kill), back and admitted after {back_after:.1f}s")
         response = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
         assert response.status_code == 200
         processes |= _descendants(up.pid)

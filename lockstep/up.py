@@ -1,10 +1,17 @@
 """`lockstep up MODEL`: the local stack — the gateway on :8000 and R engine groups as child processes.
 
 Every option `up` does not know itself goes to each `lockstep serve` unchanged (vLLM's flag names:
-`--num-scheduler-steps`, `--tensor-parallel-size`, `--max-model-len`, ...). Engines listen on free
-ports of 127.0.0.1; their output is shown prefixed with `[engine i]`, so model loading progress is
-visible. The gateway answers 503 until an engine is ready. An engine that dies after it was ready is
-started again on the same port; one that dies while loading stops the stack with its exit code.
+`--num-scheduler-steps`, `--tensor-parallel-size`, `--max-model-len`, ...; an `--api-key` there is
+also the key the gateway sends to the engines). Engines listen on free ports of 127.0.0.1; their
+output is shown prefixed with `[engine i]`, so model loading progress is visible. The gateway
+answers 503 until an engine is ready.
+
+Supervision: an engine that exits after it was once ready (a crash, a kill, its core dying) is
+started again on the same port after a back-off (1, 2, 5, 10, 30 s; back to 1 s once it stayed
+ready for a minute), and the gateway's health checks readmit it. One that was ready and then fails
+its health checks for `--liveness-timeout` seconds (a hung or core-less API server) is killed and
+restarted the same way. One that dies before it was ever ready stops the stack with its exit code
+(a wrong model or flag would only crash again).
 
 Ctrl-C or SIGTERM stops everything: the gateway closes, every engine gets SIGTERM (it drains), and
 after `--shutdown-timeout` its whole process group gets SIGKILL; a second Ctrl-C kills at once.
@@ -23,11 +30,11 @@ import sys
 import time
 
 import httpx
-
 from lockstep_gateway.config import ROUTING_POLICIES, GatewayConfig
 
 PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+STABLE_AFTER_S = 60.0  # ready this long: the next crash restarts after the first back-off again
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require these keys at the gateway (see `lockstep gateway --help`)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds engines get to drain on shutdown before they are killed")
+    parser.add_argument("--liveness-timeout", type=float, default=30.0,
+                        help="seconds a once-ready engine may fail its health checks before it is restarted")
     return parser
 
 
@@ -52,6 +61,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, engine_args = parser.parse_known_args(argv)
     if args.replicas < 1:
         parser.error(f"--replicas={args.replicas} is out of range: allowed >= 1")
+    if args.liveness_timeout <= 0:
+        parser.error(f"--liveness-timeout={args.liveness_timeout} is out of range: allowed > 0 seconds")
     for flag in ("--host", "--port"):
         if any(a == flag or a.startswith(flag + "=") for a in engine_args):
             parser.error(f"{flag} belongs to the gateway here; engines listen on free ports of 127.0.0.1")
@@ -89,12 +100,15 @@ class EngineProcess:
                      "--port", str(self.port), *engine_args]
         self.process: asyncio.subprocess.Process | None = None
         self.ready = False
-        self.was_ready = False
+        self.was_ready = False  # in any run: a later death is a crash to restart, not a bad setup
+        self.ready_since: float | None = None  # this run
+        self.failing_since: float | None = None  # this run, after it was ready
         self.restarts = 0
         self._output: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.ready = False
+        self.ready_since = self.failing_since = None
         self.process = await asyncio.create_subprocess_exec(
             *self.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_die_with_parent)
@@ -136,6 +150,7 @@ class EngineProcess:
 class Stack:
     def __init__(self, args: argparse.Namespace, engine_args: list[str]):
         self.args = args
+        self.engine_args = engine_args
         self.engines = [EngineProcess(i, args.model, engine_args) for i in range(args.replicas)]
         self.stopping = asyncio.Event()
         self.exit_code = 0
@@ -143,7 +158,6 @@ class Stack:
 
     async def run(self) -> int:
         import uvicorn
-
         from lockstep_gateway.app import build_app
         from lockstep_gateway.main import configure_logging, uvicorn_config
 
@@ -152,7 +166,7 @@ class Stack:
             loop.add_signal_handler(sig, self._on_signal, sig)
         config = GatewayConfig(host=self.args.host, port=self.args.port, routing=self.args.routing,
                                engines=tuple(e.url for e in self.engines), api_key_files=tuple(self.args.api_key_file),
-                               health_check_interval_s=0.5)
+                               health_check_interval_s=0.5, engine_api_key=engine_key(self.engine_args))
         configure_logging("warning")
 
         class Server(uvicorn.Server):
@@ -198,6 +212,8 @@ class Stack:
                 self.exit_code = code or 1
                 self.stopping.set()
                 return
+            if engine.ready_since is not None and time.monotonic() - engine.ready_since >= STABLE_AFTER_S:
+                engine.restarts = 0
             delay = RESTART_BACKOFF_S[min(engine.restarts, len(RESTART_BACKOFF_S) - 1)]
             say(f"engine {engine.index} exited with code {code}; restarting it in {delay:g}s")
             engine.restarts += 1
@@ -220,8 +236,11 @@ class Stack:
                             ready = (await client.get(engine.url + "/health")).status_code == 200
                     if ready and not engine.ready:
                         engine.was_ready = True
+                        if engine.ready_since is None:
+                            engine.ready_since = time.monotonic()
                         say(f"engine {engine.index} ready on {engine.url} ({time.monotonic() - started:.0f}s)")
                     engine.ready = ready
+                    self._check_liveness(engine, ready)
                 num_ready = sum(e.ready for e in self.engines)
                 if num_ready == len(self.engines) and not announced:
                     announced = True
@@ -232,6 +251,19 @@ class Stack:
                     say(f"{num_ready}/{len(self.engines)} engine(s) ready after {last_note - started:.0f}s; "
                         "loading...")
                 await asyncio.sleep(0.5)
+
+    def _check_liveness(self, engine: EngineProcess, ready: bool) -> None:
+        """Kill a once-ready engine that stays unhealthy: the supervisor then restarts it."""
+        if ready or engine.ready_since is None or not engine.running or self.stopping.is_set():
+            engine.failing_since = None
+            return
+        now = time.monotonic()
+        if engine.failing_since is None:
+            engine.failing_since = now
+        elif now - engine.failing_since >= self.args.liveness_timeout:
+            say(f"engine {engine.index} failed its health checks for {self.args.liveness_timeout:g}s: killing it")
+            engine.failing_since = None
+            engine.kill_group()
 
     async def _shutdown(self, gateway: asyncio.Task) -> None:
         """The gateway first (no new requests reach a draining engine), then the engines."""
@@ -250,6 +282,16 @@ class Stack:
         if pending:
             await asyncio.wait(pending, timeout=10)
         say("stopped")
+
+
+def engine_key(engine_args: list[str]) -> str | None:
+    """The `--api-key` given to the engines, so the gateway can authenticate to them."""
+    for i, arg in enumerate(engine_args):
+        if arg == "--api-key" and i + 1 < len(engine_args):
+            return engine_args[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
