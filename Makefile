@@ -23,6 +23,7 @@ run: model
 
 test: install k8s-bins
 	bash scripts/install-test-deps.sh
+	$(MAKE) --no-print-directory lint
 	$(PYTHON) -m pytest -q tests
 
 # etcd, kube-apiserver and kube-controller-manager for tests/k8s, built from Go modules once and
@@ -30,7 +31,10 @@ test: install k8s-bins
 k8s-bins:
 	bash hack/kube/build.sh
 
+# One linter and formatter configuration for the tree (pyproject.toml [tool.ruff]) and the import contracts.
 lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 	lint-imports
 
 bench-cpu: model
@@ -38,3 +42,14 @@ bench-cpu: model
 
 clean:
 	rm -f $(STAMP)
+
+# The engine (CPU), gateway and operator images, built with buildah from Debian packages and PyPI
+# wheels, no Docker or registry (images/build.sh; docs/CLUSTER.md). Needs root.
+.PHONY: images e2e
+images:
+	bash images/build.sh
+
+# A real single-node cluster (kubelet, containerd, CoreDNS), tests/e2e against it, then teardown.
+# Not part of `make test`. Needs root and the archives of `make images` (docs/CLUSTER.md).
+e2e: install
+	bash hack/e2e/run.sh

@@ -7,6 +7,13 @@
 #                                              # GPU 1 meanwhile: the transformers peer, the kernel,
 #                                              #   step-timer and decode-graph tests
 #   bash benchmarks/h200_session.sh parallel   # both GPUs: TP=1/TP=2/PP=2 at N=8 and 1 (NCCL)
+#   bash benchmarks/h200_session.sh served     # one GPU (nvidia-h200): benchmarks/h200_served.py, the served
+#                                              #   headline (lockstep bench serve against lockstep serve, default
+#                                              #   flags and N=1, rate inf and Poisson 10/25); needs the wheels
+#                                              #   of benchmarks/fetch_gpu_wheels.sh in .whl (carry: [".whl"]):
+#                                              #   fastapi, starlette, uvicorn, pydantic, pydantic_core,
+#                                              #   annotated-types, typing-inspection, typing_extensions,
+#                                              #   opentelemetry-api
 #
 # Logs and JSON go to $OUT (at most 8 files come back from the device tool).
 set -u
@@ -35,6 +42,14 @@ single)
     wait $side
     tail -n 40 "$OUT/gpu1.log"
     ;;
+served)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+    python3 -c "import fastapi, uvicorn, pydantic, lockstep_engine.api.app" || exit 1
+    timeout 540 python3 benchmarks/h200_served.py 2>&1 | tee "$OUT/served.log"
+    echo "== h200_served exit ${PIPESTATUS[0]}"
+    ;;
 parallel)
     timeout 560 python benchmarks/gpu_parallel_run.py --layouts 1x1 2x1 1x2 --steps 8 1 \
         --num-prompts "${PAR_PROMPTS:-300}" --timeout 170 2>"$OUT/parallel.log"
@@ -42,7 +57,7 @@ parallel)
     grep -E "Error|error|Traceback" "$OUT/parallel.log" | head -20
     ;;
 *)
-    echo "usage: $0 single|parallel" >&2
+    echo "usage: $0 single|parallel|served" >&2
     exit 2
     ;;
 esac

@@ -82,6 +82,7 @@ class SequenceOutput:
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    scheduled_at: float | None = None  # time.monotonic() of the request's first schedule (vLLM's queue time)
 
 
 @dataclass

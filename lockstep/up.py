@@ -47,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="the gateway's address")
     parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
     parser.add_argument("--routing", default="least-load", choices=ROUTING_POLICIES)
+    # The gateway's routing and affinity flags (lockstep gateway --help), with its defaults.
+    parser.add_argument("--session-header", default=GatewayConfig.session_header,
+                        help="requests with this header (else with the same 'user') stick to one engine")
+    parser.add_argument("--session-affinity", action=argparse.BooleanOptionalAction,
+                        default=GatewayConfig.session_affinity, help="route a session's requests to the same engine")
+    parser.add_argument("--saturation-queue-depth", type=int, default=GatewayConfig.saturation_queue_depth,
+                        help="an engine with this many waiting requests takes no more (0 = no limit)")
+    parser.add_argument("--max-in-flight-per-engine", type=int, default=GatewayConfig.max_in_flight_per_engine,
+                        help="requests the gateway keeps open per engine (0 = no limit)")
     parser.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
                         help="require these keys at the gateway (see `lockstep gateway --help`)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -165,6 +174,9 @@ class Stack:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         config = GatewayConfig(host=self.args.host, port=self.args.port, routing=self.args.routing,
+                               session_header=self.args.session_header, session_affinity=self.args.session_affinity,
+                               saturation_queue_depth=self.args.saturation_queue_depth,
+                               max_in_flight_per_engine=self.args.max_in_flight_per_engine,
                                engines=tuple(e.url for e in self.engines), api_key_files=tuple(self.args.api_key_file),
                                health_check_interval_s=0.5, engine_api_key=engine_key(self.engine_args))
         configure_logging("warning")

@@ -81,8 +81,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     # Order of admission from the queue: "fcfs" (arrival), or "lof" (longest output first: the largest
-    # remaining max_tokens first, SGLang's --schedule-policy lof), which starts long requests early.
-    scheduling_policy: Literal["fcfs", "lof"] = "fcfs"
+    # remaining max_tokens first, SGLang's --schedule-policy lof), which starts long requests early; the
+    # default, since it measured fastest (docs/BENCHMARKS.md, run 6). A request without max_tokens counts
+    # as long as max_model_len allows. Under lof a request that has waited lof_max_wait_s seconds goes
+    # ahead of every fresh request that has not (by arrival), so short requests are never starved.
+    scheduling_policy: Literal["fcfs", "lof"] = "lof"
+    lof_max_wait_s: float = 2.0
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # fixed KV cache size in blocks (tests, CPU)
@@ -98,6 +102,9 @@ class EngineConfig:
     pipeline_layer_partition: tuple[int, ...] | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False
+    # The server's engine core compiles kernels and captures graphs before it reports ready (`warmup`);
+    # True skips that (faster start, slower first requests). The offline `LLM` never warms up.
+    skip_warmup: bool = False
     max_logprobs: int = 20
     # Hugging Face hub ids (`org/name`) are read from the local cache: `download_dir` (vLLM's flag) or
     # HF_HOME, at `revision` (a branch, tag or commit; default main).
@@ -117,6 +124,9 @@ class EngineConfig:
                      "a positive integer")
         _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
                  "one of " + ", ".join(SCHEDULING_POLICIES))
+        _require(isinstance(self.lof_max_wait_s, (int, float)) and not isinstance(self.lof_max_wait_s, bool)
+                 and self.lof_max_wait_s >= 0, "lof_max_wait_s", self.lof_max_wait_s,
+                 "seconds >= 0 (inf: no bound)")
         _require(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "one of 8, 16, 32, 64, 128")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization,
                  "a fraction in (0, 1]")

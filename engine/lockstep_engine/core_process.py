@@ -26,6 +26,7 @@ from lockstep_engine.log import log
 from lockstep_engine.metrics import CoreMetrics
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
+from lockstep_engine.warmup import warm_up
 
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.5
@@ -123,6 +124,11 @@ class CoreLoop:
             self.core.add_request(request)
         except (ValueError, TypeError) as error:
             self.writer.send(p.RequestFailed(message.request_id, str(error), getattr(error, "param", None)))
+        except Exception as error:  # a bug admitting one request fails that request, not the engine
+            log(f"error: admitting {message.request_id} failed:\n{traceback.format_exc()}")
+            self.core.requests.pop(message.request_id, None)
+            self.writer.send(p.RequestFailed(message.request_id, f"the engine could not admit the request: "
+                                                                 f"{type(error).__name__}", None))
 
     def _drain(self, block: bool, in_window: bool) -> None:
         try:
@@ -177,12 +183,20 @@ class CoreLoop:
 
 
 def _build_core(config: EngineConfig):
-    """Loads the model; returns the core, the tokenizer (or None) and whether guided decoding works."""
+    """Loads the model and warms it up (`warmup`, unless skip_warmup); returns the core, the tokenizer
+    (or None) and whether guided decoding works."""
+    started = time.monotonic()
     loaded = load_engine(config)  # with TP/PP: the group's leader, local workers spawned
     if loaded.tokenizer is not None:
         log("guided decoding: llguidance" if loaded.guided_decoding
             else "guided decoding: unavailable (pip install llguidance)")
-    return EngineCore(loaded.config, loaded.executor), loaded.tokenizer, loaded.guided_decoding
+    core = EngineCore(loaded.config, loaded.executor)
+    load_s = time.monotonic() - started
+    if not config.skip_warmup:
+        core = warm_up(core, log)
+    log(f"start-up: {time.monotonic() - started:.1f}s (model load {load_s:.1f}s, "
+        f"warm-up {'skipped' if config.skip_warmup else f'{time.monotonic() - started - load_s:.1f}s'})")
+    return core, loaded.tokenizer, loaded.guided_decoding
 
 
 def run_engine_core(config, requests_conn, outputs_conn) -> None:

@@ -87,7 +87,7 @@ class EngineCore:
             SchedulerLimits(max_num_seqs=config.max_num_seqs * micro, max_num_batched_tokens=batched,
                             max_model_len=config.max_model_len, num_scheduler_steps=config.num_scheduler_steps,
                             enable_chunked_prefill=config.enable_chunked_prefill,
-                            scheduling_policy=config.scheduling_policy),
+                            scheduling_policy=config.scheduling_policy, lof_max_wait_s=config.lof_max_wait_s),
             self.blocks)
         self.requests: dict[str, Request] = {}
         self.stats = CoreStats()

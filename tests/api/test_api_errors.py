@@ -101,7 +101,7 @@ def test_models_version_and_metrics(tiny):
     assert httpx.get(f"{tiny.url}/version", timeout=10).json()["version"]
     exposition = httpx.get(f"{tiny.url}/metrics", timeout=10).text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-        assert f'{name}{{model_name="random:tiny"}}' in exposition
+        assert f'{name}{{model_name="random:tiny",engine="0"}}' in exposition  # vLLM V1's labels
 
 
 def test_tokenize_and_detokenize_round_trip(smol8):

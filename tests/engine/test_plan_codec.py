@@ -1,5 +1,6 @@
 """Window plans as deltas: a worker's mirrors must equal the leader's sequences after every window."""
 
+import json
 import pickle
 import random
 import subprocess
@@ -87,8 +88,8 @@ def assert_same_plan(decoded: WindowPlan, plan: WindowPlan) -> None:
     assert len(decoded.rows) == len(plan.rows)
     mirrors = {}
     for got, want in zip(decoded.rows, plan.rows):
-        assert (got.num_new_tokens, got.samples, got.max_steps, got.start_computed) == \
-            (want.num_new_tokens, want.samples, want.max_steps, want.start_computed)
+        assert (got.num_new_tokens, got.samples, got.max_steps, got.start_computed, got.remaining_tokens) == \
+            (want.num_new_tokens, want.samples, want.max_steps, want.start_computed, want.remaining_tokens)
         g, w = got.seq, want.seq
         assert g.token_ids == w.token_ids
         assert g.block_ids == w.block_ids
@@ -245,7 +246,7 @@ def test_a_mirror_shorter_than_the_delta_expects_is_an_error_not_wrong_tokens():
 def test_a_message_that_fails_to_load_changes_nothing():
     first, _ = _two_messages()
     decoder = PlanDecoder()
-    with pytest.raises(PlanCodecError, match="not a valid pickle"):
+    with pytest.raises(PlanCodecError, match="not valid JSON"):
         decoder.decode(b"garbage")
     assert decoder.decode(first).rows[0].seq.token_ids == [1, 2, 3, 4, 5]
 
@@ -260,12 +261,32 @@ def test_after_a_message_fails_to_apply_the_decoder_refuses_every_message():
         decoder.decode(second)
 
 
+def _json(*message) -> bytes:
+    return json.dumps(message).encode()
+
+
+NEW_REQUEST = ["a", [1, 2, 3], SamplingParams().to_dict(), 64, 0, True]
+ROW = ["a", 0, True, 3, [], 0, [4], 3, True, 1, 0, 16]
+
+
 @pytest.mark.parametrize("data, error", [
-    (b"garbage", "not a valid pickle"),
-    (pickle.dumps([1, 2, 3]), "is not a lockstep-plan/1 message"),
-    (pickle.dumps(("lockstep-plan/0", 0, [], [], [], [], None)), "is not a lockstep-plan/1 message"),
-    (pickle.dumps(("lockstep-plan/1", 0, [], [], [], [("a", 0, True)], None)), "plan message 0 is malformed"),
-    (pickle.dumps(("lockstep-plan/1", 0, [("a", 0)], [], [], [], None)), r"sequence \('a', 0\): released"),
+    (b"garbage", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    (pickle.dumps(("lockstep-plan/2", 0, [], [], [], [], None)), "not valid JSON"),
+    (_json(1, 2, 3), "is not a lockstep-plan/2 message"),
+    (_json("lockstep-plan/1", 0, [], [], [], [], None), "is not a lockstep-plan/2 message"),
+    (_json("lockstep-plan/2", 0.0, [], [], [], [], None), "is not a lockstep-plan/2 message"),
+    (_json("lockstep-plan/2", 0, [], [], [], [["a", 0, True]], None), "plan message 0 is malformed"),
+    (_json("lockstep-plan/2", 0, [["a", 0]], [], [], [], None), r"sequence \('a', 0\): released"),
+    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST], [], [ROW[:3] + [3.0] + ROW[4:]], [1, []]),
+     r"sequence \('a', 0\): expected integers, got 3.0"),
+    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST], [], [ROW[:8] + [1] + ROW[9:]], [1, []]),
+     r"sequence \('a', 0\): the row's flags must be booleans"),
+    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST[:1] + [[1, "2"]] + NEW_REQUEST[2:]], [], [ROW], [1, []]),
+     r"request 'a': expected integers, got '2'"),
+    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST[:2] + [{"top_k": "x"}] + NEW_REQUEST[3:]], [], [ROW], [1, []]),
+     r"request 'a': invalid sampling parameters"),
+    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST], [], [ROW], [1, [[1, True]]]), "the window: expected integers"),
 ])
 def test_malformed_messages_raise_value_errors(data, error):
     with pytest.raises(ValueError, match=error):
@@ -274,7 +295,7 @@ def test_malformed_messages_raise_value_errors(data, error):
 
 def test_a_truncated_message_is_refused():
     first, _ = _two_messages()
-    with pytest.raises(PlanCodecError, match="not a valid pickle"):
+    with pytest.raises(PlanCodecError, match="not valid JSON"):
         PlanDecoder().decode(first[:-10])
 
 
@@ -283,7 +304,7 @@ def test_a_truncated_message_is_refused():
 def test_two_unfinished_requests_with_one_id_stop_the_encoder(second_index, error):
     one, two = (Request("a", [1, 2, 3], SamplingParams(max_tokens=4), MAX_MODEL_LEN, seed=0) for _ in range(2))
     two.sequences[0].index = second_index
-    rows = [ScheduledSeq(r.sequences[0], 3, True, 1, 0) for r in (one, two)]
+    rows = [ScheduledSeq(r.sequences[0], 3, True, 1, 0, 4) for r in (one, two)]
     encoder = PlanEncoder()
     with pytest.raises(PlanCodecError, match=error):
         encoder.encode(WindowPlan(rows=rows, num_steps=1))
@@ -295,3 +316,39 @@ def test_the_codec_imports_no_torch():
     code = "import sys, lockstep_engine.group.plan_codec; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_a_well_formed_json_message_decodes():
+    plan = PlanDecoder().decode(_json("lockstep-plan/2", 0, [], [NEW_REQUEST], [], [ROW], [1, [[2, 3]]]))
+    [row] = plan.rows
+    assert (row.seq.token_ids, row.seq.block_ids, row.remaining_tokens, plan.block_copies) == \
+        ([1, 2, 3], [4], 16, [(2, 3)])
+
+
+def test_every_sampling_parameter_survives_the_wire():
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=2**64 - 1, stop=["\n\n"],
+                            stop_token_ids=[7, 9], max_tokens=5, min_tokens=1, presence_penalty=0.5,
+                            frequency_penalty=-0.25, repetition_penalty=1.1, logprobs=3, ignore_eos=True,
+                            logit_bias={5: 1.5, 1000: -100.0}, json_schema={"type": "object", "properties": {}},
+                            extra={"priority": 1})
+    request = Request("p", [1, 2, 3], params, MAX_MODEL_LEN, seed=2**63)
+    plan = WindowPlan(rows=[ScheduledSeq(request.sequences[0], 2, False, 0, 0, 0)], num_steps=4)
+    mirror = PlanDecoder().decode(PlanEncoder().encode(plan)).rows[0].seq.request
+    assert mirror.params == params and mirror.params.logit_bias == {5: 1.5, 1000: -100.0}
+    assert mirror.seed == 2**63
+
+
+def test_the_codec_never_unpickles(monkeypatch):
+    """The wire format is JSON: decoding a message runs no pickle (and the module does not import it)."""
+    import lockstep_engine.group.plan_codec as plan_codec
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used by the plan codec")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "dumps", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    test_mirrors_match_the_leader_through_preemption_forks_aborts_and_stops(4, 3)
+    assert not hasattr(plan_codec, "pickle")
+    with open(plan_codec.__file__) as handle:
+        assert "pickle" not in handle.read().replace("no pickle", "").replace("Pickling a", "")

@@ -3,13 +3,14 @@
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.scheduler import Scheduler, SchedulerLimits
-from lockstep_engine.sequence import Request
+from lockstep_engine.sequence import Request, SequenceStatus
 
 
-def _scheduler(num_blocks=64, steps=8, max_seqs=8, budget=64, block_size=4, policy="fcfs"):
+def _scheduler(num_blocks=64, steps=8, max_seqs=8, budget=64, block_size=4, policy="fcfs", max_wait=2.0,
+               clock=lambda: 0.0):
     limits = SchedulerLimits(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=512,
-                             num_scheduler_steps=steps, scheduling_policy=policy)
-    return Scheduler(limits, BlockManager(num_blocks, block_size))
+                             num_scheduler_steps=steps, scheduling_policy=policy, lof_max_wait_s=max_wait)
+    return Scheduler(limits, BlockManager(num_blocks, block_size), clock=clock)
 
 
 def _request(name, prompt_len, max_tokens=32, n=1, arrival=0.0):
@@ -38,7 +39,7 @@ def test_max_steps_bounded_by_remaining_tokens():
     scheduler = _scheduler()
     scheduler.add_request(_request("a", 10, max_tokens=3))
     [row] = scheduler.schedule().rows
-    assert row.max_steps == 3
+    assert row.max_steps == 3 and row.remaining_tokens == 3  # carried to the device's length budget
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_decodes_ride_along():
@@ -97,6 +98,53 @@ def test_lof_puts_a_preempted_sequence_ahead_of_fresh_ones():
     plan = scheduler.schedule()  # blocks run short: "new" is preempted, and waits ahead of "longest"
     assert [r.seq.request.request_id for r in plan.rows] == ["old"] and scheduler.num_preemptions == 1
     assert [seq.request.request_id for seq in scheduler.waiting] == ["new", "longest"]
+
+
+def _run_window(scheduler, plan):
+    """Every sampling row decodes its window's tokens; rows at their limit finish."""
+    _finish_window(scheduler, plan)
+    for row in plan.rows:
+        if row.samples and row.seq.remaining_tokens <= 0:
+            scheduler.finish(row.seq, SequenceStatus.FINISHED_LENGTH)
+
+
+def test_lof_admits_a_short_request_behind_a_stream_of_long_ones_within_its_wait_bound():
+    for max_wait, admitted_at in ((1.0, 11), (float("inf"), None)):
+        now = [0.0]
+        scheduler = _scheduler(steps=4, max_seqs=1, policy="lof", max_wait=max_wait, clock=lambda now=now: now[0])
+        scheduler.add_request(_request("short", 4, max_tokens=2, arrival=0.0))
+        admitted = None
+        for window in range(50):  # 0.1 s per window; a longer request arrives before each
+            scheduler.add_request(_request(f"long{window}", 4, max_tokens=4, arrival=now[0]))
+            plan = scheduler.schedule()
+            [row] = plan.rows
+            if row.seq.request.request_id == "short":
+                admitted = window
+                break
+            _run_window(scheduler, plan)
+            now[0] += 0.1
+        # the first window after it waited more than 1 s (10 windows of 0.1 s, and float rounding)
+        assert admitted == admitted_at, (max_wait, admitted)
+
+
+def test_lof_orders_aged_requests_by_arrival_ahead_of_fresh_longer_ones():
+    now = [0.0]
+    scheduler = _scheduler(max_seqs=8, budget=4, policy="lof", max_wait=2.0, clock=lambda: now[0])
+    for name, arrival, max_tokens in (("b", 0.5, 10), ("a", 0.0, 5), ("c", 1.0, 20)):
+        scheduler.add_request(_request(name, 4, max_tokens=max_tokens, arrival=arrival))
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["c", "b", "a"]
+    now[0] = 2.7  # a and b waited more than 2 s, c not yet
+    scheduler.add_request(_request("fresh", 4, max_tokens=400, arrival=2.7))
+    plan = scheduler.schedule()  # a budget of 4 tokens admits one
+    assert [row.seq.request.request_id for row in plan.rows] == ["a"]
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["b", "fresh", "c"]
+
+
+def test_lof_counts_a_request_without_max_tokens_as_long_as_max_model_len_allows():
+    scheduler = _scheduler(max_seqs=1, policy="lof")
+    scheduler.add_request(_request("bounded", 4, max_tokens=400))
+    scheduler.add_request(_request("unbounded", 4, max_tokens=None))  # 512 - 4 tokens left
+    assert [row.seq.request.request_id for row in scheduler.schedule().rows] == ["unbounded"]
 
 
 def test_n_samples_prefill_once_then_fork():

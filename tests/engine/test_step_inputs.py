@@ -18,7 +18,7 @@ def _row(tokens, block_ids, start, num_new, samples, max_steps=0, params=None, n
     request = Request("r", list(tokens[:num_prompt or len(tokens)]), params or SamplingParams(), 512, seed=5)
     seq = request.sequences[0]
     seq.token_ids, seq.block_ids, seq.num_computed = list(tokens), list(block_ids), start
-    return ScheduledSeq(seq, num_new, samples, max_steps, start)
+    return ScheduledSeq(seq, num_new, samples, max_steps, start, seq.remaining_tokens if samples else 0)
 
 
 def _mixed_rows():

@@ -40,6 +40,8 @@ def test_sampling_params_errors_name_field_value_and_range(kwargs, field, allowe
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"device": "tpu"}, "device"),
     ({"scheduling_policy": "sjf"}, "scheduling_policy"),
+    ({"lof_max_wait_s": -1.0}, "lof_max_wait_s"),
+    ({"lof_max_wait_s": float("nan")}, "lof_max_wait_s"),
 ])
 def test_engine_config_errors(kwargs, field):
     with pytest.raises(ConfigError, match=f"^{field}="):
@@ -118,7 +120,7 @@ def test_layout_rejected_by_model():
 
 def test_scheduling_policy_flag_takes_fcfs_or_lof(capsys):
     assert serve.build_parser().parse_args(["smollm2", "--scheduling-policy", "lof"]).scheduling_policy == "lof"
-    assert bench_throughput._parser().parse_args(["smollm2"]).scheduling_policy == "fcfs"
+    assert bench_throughput._parser().parse_args(["smollm2"]).scheduling_policy == "lof"
     with pytest.raises(SystemExit):
         serve.build_parser().parse_args(["smollm2", "--scheduling-policy", "sjf"])
     assert "argument --scheduling-policy: invalid choice: 'sjf'" in capsys.readouterr().err

@@ -102,7 +102,7 @@ def bench_decode(args, device):
 
 
 def bench_prefill(device):
-    print(f"\nprefill, same shape: sequences x new tokens after a cached context; TFLOP/s counts causal QK^T + PV")
+    print("\nprefill, same shape: sequences x new tokens after a cached context; TFLOP/s counts causal QK^T + PV")
     print(f"{'seqs':>5} {'q_len':>6} {'context':>7} {'ms':>8} {'TFLOP/s':>8} {'torch ms':>9}")
     for seqs, q_len, context in ((1, 2048, 0), (4, 2048, 0), (8, 512, 1536), (16, 256, 0)):
         seq_len = q_len + context

@@ -76,14 +76,14 @@ def _attached_registry():
         _window(core, metrics, prompt_tokens=64 if i % 5 == 0 else 0, batch=32, boundary_gap=2e-4 if i else None)
     ready = p.CoreReady(pid=1, max_model_len=8192, num_blocks=4096, block_size=16, vocab_size=49152,
                         num_scheduler_steps=N, guided_decoding=False, device="cuda:0", model_config={})
-    client = SimpleNamespace(ready=ready, config=SimpleNamespace(enable_prefix_caching=True),
+    client = SimpleNamespace(ready=ready, config=SimpleNamespace(enable_prefix_caching=True, gpu_memory_utilization=0.9),
                              stats=p.EngineStats(num_running=32, num_waiting=3, kv_cache_usage=0.4),
                              core_metrics=metrics.snapshot(core))
     engine = api_metrics.register_engine(client, "smollm2")
     for r in range(64):
-        engine.request_started(f"r{r}", 0.0, 100 + r)
+        engine.request_started(f"r{r}", 0.0, 100 + r, 1, 64)
         for t in range(1, 20):
-            engine.tokens_received(f"r{r}", 0, t, 0.05 + 0.01 * t)
+            engine.tokens_received(f"r{r}", 0, t, 0.05 + 0.01 * t, 0.01)
         engine.request_finished(f"r{r}", [n.FINISH_REASONS[r % 4]], 0.3)
     for phase in ("detokenize", "output_ipc"):
         engine.observe_host_phase(phase, 3e-5)

@@ -42,21 +42,26 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", host], capture_output=True, timeout=30)
 
 
-def test_pp2_across_network_namespaces(two_hosts):
+def test_pp2_across_network_namespaces(two_hosts, tmp_path):
+    """The leader reads the group secret from a file (as a pod's mounted Secret), the worker from its
+    environment: the same secret, so both prove it at the rendezvous."""
     (leader_ns, worker_ns), (leader_link, worker_link) = two_hosts
+    secret = "bmV0bnMtZ3JvdXAtc2VjcmV0LW5ldG5zLWdyb3VwLXM="
+    (tmp_path / "secret").write_text(secret + "\n")
     config = {"model": "random:tiny", "pipeline_parallel_size": 2, "num_scheduler_steps": 8,
               "kv_cache_memory_bytes": 128 << 20, "max_model_len": 512}
     common = dict(os.environ, LOCKSTEP_CPU_THREADS="1", LOCKSTEP_WORLD_SIZE="2", LOCKSTEP_LEADER_ADDR=LEADER_ADDR,
                   LOCKSTEP_RENDEZVOUS_PORT="29731", PYTHONPATH=os.pathsep.join(sys.path))
     worker = subprocess.Popen(["ip", "netns", "exec", worker_ns, sys.executable, "-m", "lockstep.cli", "worker"],
                               env=dict(common, LOCKSTEP_RANK="1", GLOO_SOCKET_IFNAME=worker_link,
-                                       LOCKSTEP_ENGINE_CONFIG=json.dumps(config)),
+                                       LOCKSTEP_ENGINE_CONFIG=json.dumps(config), LOCKSTEP_GROUP_SECRET=secret),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         leader = subprocess.run(
             ["ip", "netns", "exec", leader_ns, sys.executable, "-c", SCRIPT, "random:tiny", "1x2", "8",
              json.dumps(TINY_PROMPTS), "24"],
-            env=dict(common, LOCKSTEP_RANK="0", GLOO_SOCKET_IFNAME=leader_link),
+            env=dict(common, LOCKSTEP_RANK="0", GLOO_SOCKET_IFNAME=leader_link,
+                     LOCKSTEP_GROUP_SECRET_FILE=str(tmp_path / "secret")),
             capture_output=True, text=True, timeout=300)
         assert leader.returncode == 0, leader.stderr[-3000:]
         across = json.loads(leader.stdout.strip().splitlines()[-1])

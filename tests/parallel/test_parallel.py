@@ -83,11 +83,18 @@ def test_smollm2_tp3_matches_transformers():
     ours = _run("smollm2", 3, 8, prompts, 24)["greedy"]
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=SMOLLM2_GGUF,
                                                  dtype=torch.float32)
-    near_ties = 0
-    for prompt, tokens in zip(prompts, ours):
+    # One thread, as the engine's ranks run here (LOCKSTEP_CPU_THREADS=1): with torch's default threads
+    # this reference run outlasted the 900 s test timeout on a loaded 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=2)
+            refs = [model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True, pad_token_id=2) for prompt in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    near_ties = 0
+    for prompt, tokens, out in zip(prompts, ours, refs):
         ref = out.sequences[0, len(prompt):].tolist()
         if tokens[:len(ref)] == ref:
             continue

@@ -63,11 +63,12 @@ def _named_tool(body) -> dict:
 
 
 def required_schema(tools: list[dict]) -> dict:
-    """A non-empty JSON array of {name, parameters} calls, each one of the tools (vLLM's schema)."""
+    """A non-empty JSON array of {name, parameters} calls, each one of the tools (vLLM's schema, closed)."""
     return {"type": "array", "minItems": 1, "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                           "parameters": _parameters(tool)},
-         "required": ["name", "parameters"]} for tool in tools]}}
+         # Closed objects: a small model otherwise keeps adding keys after the parameters.
+         "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]}}
 
 
 def forced_specs(body) -> list[tuple[str, dict]]:

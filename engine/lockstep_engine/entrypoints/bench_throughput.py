@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="window lengths to compare (integers or auto)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
+    parser.add_argument("--scheduling-policy", default="lof", choices=list(SCHEDULING_POLICIES))
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")

@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds in-flight requests get to finish after SIGTERM")
     server.add_argument("--engine-start-timeout", type=float, default=1800.0,
                         help="seconds the engine core may take to load the model")
-    server.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
-                        help="seconds without a heartbeat before the engine core counts as dead")
+    server.add_argument("--engine-heartbeat-timeout", type=float, default=5.0,
+                        help="seconds without a heartbeat (sent every 0.5 s) before the engine core counts as dead "
+                             "and the server exits")
     server.add_argument("--engine-stall-timeout", type=float, default=300.0,
                         help="seconds without a finished step before the engine loop counts as stuck")
     server.add_argument("--uvicorn-log-level", default="warning",
@@ -79,14 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
-                        help="queue order: fcfs (arrival), or lof (longest max_tokens first)")
+    engine.add_argument("--scheduling-policy", default="lof", choices=list(SCHEDULING_POLICIES),
+                        help="queue order: fcfs (arrival), or lof (longest max_tokens first; a request that "
+                             "waited --lof-max-wait seconds goes ahead of fresh ones)")
+    engine.add_argument("--lof-max-wait", dest="lof_max_wait_s", type=float, default=2.0,
+                        help="seconds a request may wait under lof before it is admitted ahead of longer "
+                             "fresh requests (inf: no bound)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--tokenizer", default=None)
     engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument("--skip-warmup", action="store_true",
+                        help="report ready without compiling kernels and capturing graphs first (the first "
+                             "requests then pay for them)")
     engine.add_argument("--max-logprobs", type=int, default=20)
     vllm_flags.add_supported_flags(server, engine)
     vllm_flags.register(parser)  # the rest of vLLM's flags: a notice, or a refusal that says why

@@ -127,7 +127,7 @@ FLAGS: tuple[Flag, ...] = (
     _s("--tokenizer-mode", "auto or hf (the fast Hugging Face tokenizer); slow, mistral and custom are refused"),
     _n("--trust-remote-code", "no model code is ever loaded: the Llama-family architectures are built in", "bool"),
     _s("--dtype", "auto, half, float16, bfloat16, float, float32"),
-    _s("--seed", "the seed of requests that set none"),
+    _s("--seed", "the engine's random seed (random: weights, requests without a seed)"),
     _r("--hf-config-path", "the config is read from the model directory"),
     _r("--allowed-local-media-path", _TEXT_ONLY),
     _r("--allowed-media-domains", _TEXT_ONLY, "values"),

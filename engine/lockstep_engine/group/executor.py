@@ -4,7 +4,8 @@ A `LocalExecutor` runs windows on this process's `ModelRunner` (one rank, or a w
 `GroupExecutor` is the leader of a TP x PP group: before each window it broadcasts the window plan,
 as a delta (`plan_codec`: a request's prompt and sampling parameters once, then per window only the
 tokens and blocks each row gained and the row's step-1 work), and every rank runs the same window
-on its shard. Tensor-parallel ranks draw the same tokens without a broadcast (logits are gathered on
+on its shard. The plan travels on the group channel (`channel`: frames authenticated with the group
+secret, no pickle). Tensor-parallel ranks draw the same tokens without a broadcast (logits are gathered on
 every rank and the sampler's randomness is a function of seed, position and token); pipeline stages
 adopt the last stage's samples by broadcast inside the window (`runner.steps`).
 """
@@ -16,13 +17,12 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import torch.distributed as dist
-
 from lockstep_engine import guided
 from lockstep_engine.config import EngineConfig
+from lockstep_engine.group.channel import STOP, WINDOW, GroupChannel, load_secret, new_secret
 from lockstep_engine.group.plan_codec import PlanEncoder
-from lockstep_engine.group.rendezvous import (DEFAULT_PORT, GroupError, check_layout, free_port, init_group,
-                                              spawn_local_workers, stop_workers, world_size)
+from lockstep_engine.group.rendezvous import (DEFAULT_PORT, GroupError, check_layout, init_group,
+                                              listen_on_loopback, spawn_local_workers, stop_workers, world_size)
 from lockstep_engine.model_config import ModelConfig
 from lockstep_engine.runner.model_runner import ModelRunner, resolve_device
 from lockstep_engine.runner.outputs import GuideFactory, StepOutput, WindowTimings
@@ -89,15 +89,16 @@ class LocalExecutor:
 class GroupExecutor(LocalExecutor):
     """The leader of an engine group: mirrors every window to the workers, then runs it on its own shard."""
 
-    def __init__(self, runner: ModelRunner, workers: list[subprocess.Popen]):
+    def __init__(self, runner: ModelRunner, workers: list[subprocess.Popen], channel: GroupChannel):
         super().__init__(runner)
         self.workers = workers  # the local workers it spawned (none when the ranks run elsewhere)
+        self._channel = channel
         self._encoder = PlanEncoder()
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
                        continuing: bool = False) -> WindowTimings:
         self.check_health()
-        self._broadcast(("window", self._encoder.encode(plan)), "the window plan")
+        self._send(WINDOW, self._encoder.encode(plan), "the window plan")
         return self.runner.execute_window(plan, on_step, continuing)
 
     def use_attention_backend(self, name: str) -> None:
@@ -115,21 +116,20 @@ class GroupExecutor(LocalExecutor):
         data = self._encoder.encode_releases()
         if data is not None:
             self.check_health()
-            self._broadcast(("window", data), "a release message")
+            self._send(WINDOW, data, "a release message")
 
     def shutdown(self) -> None:
         """Tells the workers to stop (unless one is gone already: the group is broken) and reaps local ones."""
         if all(w.poll() is None for w in self.workers):
             try:
-                dist.broadcast_object_list([("stop", None)], src=0)
+                self._channel.send(STOP)
             except RuntimeError:
                 pass
         stop_workers(self.workers)
 
-    @staticmethod
-    def _broadcast(message: tuple, what: str) -> None:
+    def _send(self, kind: int, data: bytes, what: str) -> None:
         try:
-            dist.broadcast_object_list([message], src=0)
+            self._channel.send(kind, data)
         except RuntimeError as error:
             raise GroupError(f"broadcasting {what} to the engine group failed: {error}") from error
 
@@ -143,6 +143,7 @@ class LoadedEngine:
     tokenizer: object | None  # the Hugging Face tokenizer, None for models without one
     executor: Executor
     guided_decoding: bool  # whether guided decoding (llguidance) is installed on the executor
+    channel: GroupChannel | None = None  # a group's control channel (workers receive on it); None: one rank
 
 
 def load_engine(config: EngineConfig, rank: int | None = None) -> LoadedEngine:
@@ -150,10 +151,11 @@ def load_engine(config: EngineConfig, rank: int | None = None) -> LoadedEngine:
     process that serves (one rank, or rank 0 of a group, spawning local workers when the environment
     names no rank, as `lockstep serve --tensor-parallel-size T` does); a rank >= 1: a group's worker."""
     source = resolve(config.model, seed=config.seed, download_dir=config.download_dir, revision=config.revision,
-                     load_format=config.load_format)
+                     load_format=config.load_format, tokenizer=config.tokenizer)
     config = config.with_model_limits(source.config.max_position_embeddings)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     world = world_size(config)
+    channel = None
     if world == 1:
         executor: Executor = LocalExecutor(ModelRunner(config, source))
     else:
@@ -161,18 +163,29 @@ def load_engine(config: EngineConfig, rank: int | None = None) -> LoadedEngine:
         device = resolve_device(config.device).type
         leader = os.environ.get("LOCKSTEP_LEADER_ADDR", "127.0.0.1")
         port = int(os.environ.get("LOCKSTEP_RENDEZVOUS_PORT", DEFAULT_PORT))
-        workers = []
+        workers, listener = [], None
+        secret = load_secret()
         if rank is None:
             if "LOCKSTEP_RANK" in os.environ:
                 rank = int(os.environ["LOCKSTEP_RANK"])
                 if rank != 0:
                     raise GroupError(f"LOCKSTEP_RANK={rank}: only rank 0 serves; other ranks run `lockstep worker`")
             else:
-                rank, leader, port = 0, "127.0.0.1", free_port()
-                workers = spawn_local_workers(config, port)
-        state = init_group(rank, world, leader, port, device, config.tensor_parallel_size)
+                listener = listen_on_loopback()
+                # gloo's connections too stay on loopback (unless the user chose an interface);
+                # the spawned workers inherit this.
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                rank, leader, port = 0, "127.0.0.1", listener.getsockname()[1]
+                secret = secret or new_secret()  # a group of this process's own: its own secret
+                workers = spawn_local_workers(config, port, secret)
+        try:
+            state, channel = init_group(rank, world, leader, port, device, secret, config.tensor_parallel_size,
+                                        listener)
+        except GroupError:
+            stop_workers(workers)
+            raise
         runner = ModelRunner(config, source, state)
-        executor = GroupExecutor(runner, workers) if rank == 0 else LocalExecutor(runner)
+        executor = GroupExecutor(runner, workers, channel) if rank == 0 else LocalExecutor(runner)
     # Every rank that samples builds the grammar masks itself (workers install guides too).
     has_guides = guided.install(executor, tokenizer)
-    return LoadedEngine(config, source.config, tokenizer, executor, has_guides)
+    return LoadedEngine(config, source.config, tokenizer, executor, has_guides, channel)

@@ -9,6 +9,10 @@ the model runner runs it unchanged. A sequence's tokens are assumed to only grow
 scheduler and the engine core only append); a list that was replaced or shortened is resent whole.
 Plain Python, no torch.
 
+The wire format is JSON (no pickle): a message is data, never code, so a worker decodes nothing but
+ints, strings, lists and the fields of `SamplingParams.to_dict`, and checks their types before it
+applies them. The group channel (`group/channel.py`) authenticates every message before it gets here.
+
 Leader (one encoder per engine group, for the group's lifetime)::
 
     encoder = PlanEncoder()
@@ -48,13 +52,14 @@ Logprobs, prefix-cache hashes and timings stay on the leader.
 
 from __future__ import annotations
 
-import pickle
+import json
 from dataclasses import dataclass
 
+from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.scheduler import ScheduledSeq, WindowPlan
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
 
-FORMAT = "lockstep-plan/1"
+FORMAT = "lockstep-plan/2"
 Key = tuple[str, int]  # (request_id, index of the sequence within its request)
 
 
@@ -127,10 +132,13 @@ class PlanEncoder(_Tracked):
         return number
 
     def _message(self, number: int, released, new_requests, forks, rows, window) -> bytes:
-        # Plain tuples, lists and ints (and the requests' SamplingParams): a window of decodes pickles
-        # to about a hundred bytes a row. `window` is (num_steps, block_copies), None for release-only.
-        data = pickle.dumps((FORMAT, number, released, new_requests, forks, rows, window),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        # Lists of ints and strings (and each new request's parameters as a dict): a window of decodes
+        # is about 130 bytes a row (1000-token contexts of Llama 3 ids, 37-character request ids). `window` is (num_steps, block_copies), None for release-only.
+        try:
+            data = json.dumps([FORMAT, number, released, new_requests, forks, rows, window], separators=(",", ":"),
+                              allow_nan=False).encode()
+        except (TypeError, ValueError) as error:
+            raise PlanCodecError(f"plan message {number} holds a value JSON cannot carry: {error}") from error
         self._next_message = number + 1
         return data
 
@@ -161,14 +169,14 @@ class PlanEncoder(_Tracked):
         block_keep, new_blocks = _block_delta(sent)
         # The layout `PlanDecoder._apply_row` takes.
         return (request.request_id, seq.index, is_new, token_keep, new_tokens, block_keep, new_blocks,
-                row.num_new_tokens, row.samples, row.max_steps, row.start_computed)
+                row.num_new_tokens, row.samples, row.max_steps, row.start_computed, row.remaining_tokens)
 
     def _track(self, key: Key, seq: Sequence, new_requests: list[tuple]) -> _SentSequence:
         request = seq.request
         mirror = self._requests.get(request.request_id)
         if mirror is None:
             mirror = self._requests[request.request_id] = _SentRequest(request, request.forked, 0)
-            new_requests.append((request.request_id, request.prompt_token_ids, request.params,
+            new_requests.append((request.request_id, request.prompt_token_ids, _params_to_wire(request.params),
                                  request.max_model_len, request.seed, request.forked))
         elif mirror.request is not request:
             raise PlanCodecError(f"sequence {key}: two unfinished requests share request_id {request.request_id!r}")
@@ -230,11 +238,11 @@ class PlanDecoder(_Tracked):
             raise PlanCodecError("an earlier plan message failed, so this worker's mirrors cannot be trusted; "
                                  "restart the engine group")
         try:
-            message = pickle.loads(data)
-        except Exception as error:  # unpickling bad bytes raises almost anything
-            raise PlanCodecError(f"plan message is not a valid pickle: {error!r}") from error
-        if not (isinstance(message, tuple) and len(message) == 7 and message[0] == FORMAT
-                and isinstance(message[1], int)):
+            message = json.loads(data)
+        except (ValueError, TypeError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise PlanCodecError(f"plan message is not valid JSON: {error!r}") from error
+        if not (isinstance(message, list) and len(message) == 7 and message[0] == FORMAT
+                and _is_int(message[1])):
             raise PlanCodecError(f"plan message is not a {FORMAT} message: {str(message)[:80]}")
         if message[1] != self._next_message:
             raise PlanCodecError(f"plan message {message[1]} arrived where {self._next_message} was expected: this "
@@ -255,7 +263,8 @@ class PlanDecoder(_Tracked):
         if window is None:
             return None
         num_steps, block_copies = window
-        return WindowPlan(rows=scheduled, num_steps=num_steps, block_copies=block_copies)
+        _check_ints("the window", num_steps, *(b for pair in block_copies for b in pair))
+        return WindowPlan(rows=scheduled, num_steps=num_steps, block_copies=[(src, dst) for src, dst in block_copies])
 
     def _mirror_request(self, request_id: str, what: str) -> Request:
         request = self._requests.get(request_id)
@@ -275,7 +284,10 @@ class PlanDecoder(_Tracked):
     def _add_request(self, request_id, prompt_token_ids, params, max_model_len, seed, forked) -> None:
         if request_id in self._requests:
             raise PlanCodecError(f"request {request_id!r}: sent as new, but this worker already mirrors it")
-        request = Request(request_id, prompt_token_ids, params, max_model_len, seed)
+        _check_ints(f"request {request_id!r}", max_model_len, seed, *prompt_token_ids)
+        if not isinstance(request_id, str) or not isinstance(forked, bool):
+            raise PlanCodecError(f"request {request_id!r}: the id must be a string and the fork flag a boolean")
+        request = Request(request_id, prompt_token_ids, _params_from_wire(request_id, params), max_model_len, seed)
         request.sequences.clear()  # Request() made a first sequence; mirrors are added by key
         request.forked = forked
         self._requests[request_id] = request
@@ -292,8 +304,12 @@ class PlanDecoder(_Tracked):
         return seq
 
     def _apply_row(self, request_id, index, is_new, token_keep, new_tokens, block_keep, new_blocks,
-                   num_new_tokens, samples, max_steps, start_computed) -> ScheduledSeq:
+                   num_new_tokens, samples, max_steps, start_computed, remaining_tokens) -> ScheduledSeq:
         key = (request_id, index)
+        _check_ints(f"sequence {key}", index, token_keep, block_keep, num_new_tokens, max_steps, start_computed,
+                    remaining_tokens, *new_tokens, *new_blocks)
+        if not isinstance(is_new, bool) or not isinstance(samples, bool):
+            raise PlanCodecError(f"sequence {key}: the row's flags must be booleans")
         seq = self._add_sequence(key) if is_new else self._sequences.get(key)
         if seq is None:
             raise PlanCodecError(f"sequence {key}: a delta arrived for a sequence this worker does not mirror")
@@ -304,7 +320,7 @@ class PlanDecoder(_Tracked):
             raise PlanCodecError(f"sequence {key}: the row computes tokens [{start_computed}, {end}) but the "
                                  f"mirror holds {seq.num_tokens}")
         seq.status, seq.num_computed = SequenceStatus.RUNNING, start_computed
-        return ScheduledSeq(seq, num_new_tokens, samples, max_steps, start_computed)
+        return ScheduledSeq(seq, num_new_tokens, samples, max_steps, start_computed, remaining_tokens)
 
 
 def _apply_delta(key: Key, field: str, values: list[int], keep: int, new: list[int]) -> None:
@@ -312,3 +328,33 @@ def _apply_delta(key: Key, field: str, values: list[int], keep: int, new: list[i
         raise PlanCodecError(f"sequence {key}: the {field} delta keeps {keep} entries but the mirror holds "
                              f"{len(values)}")
     values[keep:] = new
+
+
+def _is_int(value) -> bool:
+    return type(value) is int  # not bool, not float: JSON keeps the difference
+
+
+def _check_ints(what: str, *values) -> None:
+    if not all(type(value) is int for value in values):
+        bad = next(value for value in values if type(value) is not int)
+        raise PlanCodecError(f"{what}: expected integers, got {bad!r}")
+
+
+def _params_to_wire(params: SamplingParams) -> dict:
+    """`SamplingParams.to_dict` with logit_bias as [token, bias] pairs: JSON object keys are strings."""
+    data = params.to_dict()
+    if data["logit_bias"]:
+        data["logit_bias"] = [[token, bias] for token, bias in data["logit_bias"].items()]
+    return data
+
+
+def _params_from_wire(request_id: str, data) -> SamplingParams:
+    if not isinstance(data, dict):
+        raise PlanCodecError(f"request {request_id!r}: the sampling parameters must be an object")
+    data = dict(data)
+    if data.get("logit_bias"):
+        data["logit_bias"] = {token: bias for token, bias in data["logit_bias"]}
+    try:
+        return SamplingParams.from_dict(data)
+    except (TypeError, ValueError) as error:  # SamplingParamsError is a ValueError
+        raise PlanCodecError(f"request {request_id!r}: invalid sampling parameters: {error}") from error

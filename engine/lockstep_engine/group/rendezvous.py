@@ -1,16 +1,26 @@
 """Rendezvous of an engine group: ranks join over TCP, the leader spawns local workers, layout checks.
 
-Environment (docs/ARCHITECTURE.md): LOCKSTEP_RANK, LOCKSTEP_WORLD_SIZE, LOCKSTEP_LEADER_ADDR,
-LOCKSTEP_RENDEZVOUS_PORT (default 29500). Collectives carry a timeout so a lost rank
-becomes an error.
+Environment (docs/ARCHITECTURE.md, docs/RELIABILITY.md): LOCKSTEP_RANK, LOCKSTEP_WORLD_SIZE,
+LOCKSTEP_LEADER_ADDR, LOCKSTEP_RENDEZVOUS_PORT (default 29500), LOCKSTEP_LOCAL_RANK (the GPU of this
+rank, when set), LOCKSTEP_GROUP_SECRET_FILE or LOCKSTEP_GROUP_SECRET (`channel.load_secret`),
+LOCKSTEP_RENDEZVOUS_TIMEOUT_S (default 600). A group that does not form within the rendezvous
+timeout is a GroupError naming the missing ranks (the process exits, its supervisor restarts the
+group); collectives carry their own timeout so a rank lost later becomes an error too.
+
+The leader runs the rendezvous store (torch.distributed's TCPStore: unauthenticated, so nothing is
+decoded from it but fixed-size proofs). On it, before any process group exists, every rank proves
+that it knows the group secret: the leader publishes a fresh nonce and its own proof, each worker
+its proof, and the leader its verdict; a rank that fails is refused by name on both sides.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import hmac
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,19 +33,21 @@ import torch
 import torch.distributed as dist
 
 from lockstep_engine.config import EngineConfig
+from lockstep_engine.group.channel import (SECRET_ENV, SECRET_FILE_ENV, GroupChannel, channel_key, hello_proof,
+                                           verdict_proof)
+from lockstep_engine.group.errors import AuthenticationError, GroupError
 from lockstep_engine.log import log
 from lockstep_engine.parallel import ParallelState
 
 DEFAULT_PORT = 29500
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("LOCKSTEP_COLLECTIVE_TIMEOUT_S", "60"))
 LEADER_DNS_TIMEOUT_S = float(os.environ.get("LOCKSTEP_LEADER_DNS_TIMEOUT_S", "600"))
-# Workers wait for the leader's next window with no deadline (an idle leader sends nothing); a
-# leader that dies closes its sockets, which ends the wait with an error.
+RENDEZVOUS_TIMEOUT_ENV = "LOCKSTEP_RENDEZVOUS_TIMEOUT_S"
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
+# Workers wait for the leader's next control message with no deadline (an idle leader sends
+# nothing); a leader that dies closes its sockets, which ends the wait with an error.
 CONTROL_TIMEOUT = timedelta(days=7)
-
-
-class GroupError(RuntimeError):
-    """A rank of the engine group failed or cannot be reached."""
+_KEY = "lockstep/"  # the rendezvous store's keys of the hello (torch.distributed's own keys differ)
 
 
 def world_size(config: EngineConfig) -> int:
@@ -48,30 +60,131 @@ def _wait_for_dns(host: str) -> None:
         try:
             socket.getaddrinfo(host, None)
             return
-        except socket.gaierror:
+        except socket.gaierror as error:
             if time.monotonic() > deadline:
-                raise GroupError(f"LOCKSTEP_LEADER_ADDR={host!r} did not resolve within {LEADER_DNS_TIMEOUT_S:.0f}s")
+                raise GroupError(f"LOCKSTEP_LEADER_ADDR={host!r} did not resolve within "
+                                 f"{LEADER_DNS_TIMEOUT_S:.0f}s") from error
             time.sleep(1.0)
 
 
-def init_group(rank: int, world: int, leader: str, port: int, device: str, tp: int | None = None) -> ParallelState:
+def rendezvous_timeout_s() -> float:
+    text = os.environ.get(RENDEZVOUS_TIMEOUT_ENV, "")
+    try:
+        value = float(text) if text else DEFAULT_RENDEZVOUS_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 10**9:
+        raise GroupError(f"{RENDEZVOUS_TIMEOUT_ENV}={text!r} is invalid: expected seconds, a number > 0")
+    return value
+
+
+def _set_device(rank: int) -> None:
+    count = torch.cuda.device_count()
+    text = os.environ.get("LOCKSTEP_LOCAL_RANK")
+    if text is None:
+        torch.cuda.set_device(rank % count)
+        return
+    if not text.isdigit() or int(text) >= count:
+        raise GroupError(f"LOCKSTEP_LOCAL_RANK={text!r} is invalid: expected a GPU index in [0, {count - 1}] "
+                         f"(this process sees {count} GPUs)")
+    torch.cuda.set_device(int(text))
+
+
+def init_group(rank: int, world: int, leader: str, port: int, device: str, secret: bytes | None,
+               tp: int | None = None, listener: socket.socket | None = None) -> tuple[ParallelState, GroupChannel]:
+    """Joins the group (rank 0 hosts the rendezvous, on `listener` when given, else on every
+    interface), proves the secret, and returns this rank's parallel state and the group's control channel."""
     if world < 1 or not 0 <= rank < world:
         raise GroupError(f"LOCKSTEP_RANK={rank} is invalid: expected 0 <= rank < LOCKSTEP_WORLD_SIZE={world}")
+    if secret is None:
+        raise GroupError(f"rank {rank}: an engine group needs a shared secret on every rank: set {SECRET_FILE_ENV} "
+                         f"(a file, as the operator mounts it) or {SECRET_ENV} (`lockstep serve` without "
+                         "LOCKSTEP_RANK makes one for the ranks it spawns)")
+    timeout_s = rendezvous_timeout_s()
     if rank != 0:
         _wait_for_dns(leader)
     backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    log(f"rank {rank}/{world}: joining the group at {leader}:{port} ({backend})")
-    dist.init_process_group(backend, init_method=f"tcp://{leader}:{port}", rank=rank, world_size=world,
-                            timeout=CONTROL_TIMEOUT)
+        _set_device(rank)
+    where = f"{leader}:{port}"
+    log(f"rank {rank}/{world}: joining the group at {where} ({backend}, rendezvous timeout {timeout_s:g}s)")
+    timeout = timedelta(seconds=timeout_s)
+    store = _open_store(rank, world, leader, port, timeout, listener)
+    nonce = _hello(store, rank, world, secret, where, timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     tp = tp or world
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    world_group = dist.new_group(list(range(world)), timeout=timeout)
+    collective = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    world_group = dist.new_group(list(range(world)), timeout=collective)
     # Every rank creates every stage's TP group, in the same order (a torch.distributed rule).
-    tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout) for s in range(world // tp)]
-    return ParallelState(tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=world // tp,
-                         tp_group=tp_groups[rank // tp], world_group=world_group)
+    tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=collective) for s in range(world // tp)]
+    channel = GroupChannel(channel_key(secret, nonce), world, CONTROL_TIMEOUT)
+    state = ParallelState(tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=world // tp,
+                          tp_group=tp_groups[rank // tp], world_group=world_group)
+    return state, channel
+
+
+def _open_store(rank: int, world: int, leader: str, port: int, timeout: timedelta,
+                listener: socket.socket | None) -> dist.TCPStore:
+    try:
+        # The store takes the listener's descriptor over (it closes it).
+        fd = listener.detach() if listener is not None else None
+        return dist.TCPStore(leader, port, world_size=world, is_master=rank == 0, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=fd)
+    except RuntimeError as error:  # DistNetworkError, DistStoreError
+        if rank == 0:
+            raise GroupError(f"rank 0: cannot open the rendezvous on port {port}: {error}") from error
+        raise GroupError(f"rank {rank}: the leader's rendezvous at {leader}:{port} did not answer within "
+                         f"{timeout.total_seconds():g}s ({RENDEZVOUS_TIMEOUT_ENV}): {error}") from error
+
+
+def _hello(store: dist.TCPStore, rank: int, world: int, secret: bytes, where: str, timeout_s: float) -> str:
+    """Every rank proves the secret against the leader's fresh nonce; returns the nonce."""
+    if rank == 0:
+        return _leader_hello(store, world, secret, where, timeout_s)
+    try:
+        nonce = store.get(_KEY + "nonce").decode("ascii", "replace")
+        if len(nonce) != 32 or not all(c in "0123456789abcdef" for c in nonce):
+            raise GroupError(f"rank {rank}: the rendezvous at {where} holds no nonce of a leader; refused")
+        if store.add(f"{_KEY}joined/{rank}", 1) != 1:
+            raise GroupError(f"rank {rank}: another process already joined the group at {where} as rank {rank}")
+        store.set(f"{_KEY}hello/{rank}", hello_proof(secret, nonce, world, rank))
+        leader_proof = store.get(_KEY + "hello/0")
+        if not hmac.compare_digest(leader_proof, hello_proof(secret, nonce, world, 0)):
+            raise AuthenticationError(f"rank {rank}: the leader at {where} failed authentication (its group secret "
+                                      "differs from this rank's); refused")
+        verdict = store.get(_KEY + "verdict")
+    except RuntimeError as error:
+        if isinstance(error, GroupError):
+            raise
+        raise GroupError(f"rank {rank}: the group at {where} did not form within {timeout_s:g}s "
+                         f"({RENDEZVOUS_TIMEOUT_ENV}), or its leader left: {error}") from error
+    if not hmac.compare_digest(verdict, verdict_proof(secret, nonce, world)):
+        raise AuthenticationError(f"rank {rank}: the leader at {where} refused the group (a rank failed "
+                                  "authentication; see the leader's log)")
+    return nonce
+
+
+def _leader_hello(store: dist.TCPStore, world: int, secret: bytes, where: str, timeout_s: float) -> str:
+    nonce = secrets.token_hex(16)
+    store.set(_KEY + "hello/0", hello_proof(secret, nonce, world, 0))
+    store.set(_KEY + "nonce", nonce)
+    ranks = range(1, world)
+    try:
+        store.wait([f"{_KEY}hello/{r}" for r in ranks], timedelta(seconds=timeout_s))
+    except RuntimeError as error:  # DistStoreError: the wait timed out
+        missing = [r for r in ranks if not store.check([f"{_KEY}hello/{r}"])]
+        raise GroupError(f"rank 0: rank(s) {missing} of the {world} did not join the group at {where} within "
+                         f"{timeout_s:g}s ({RENDEZVOUS_TIMEOUT_ENV}); exiting so that the group is restarted") \
+            from error
+    refused = [r for r in ranks
+               if not hmac.compare_digest(store.get(f"{_KEY}hello/{r}"), hello_proof(secret, nonce, world, r))]
+    if refused:
+        store.set(_KEY + "verdict", b"refused")
+        raise AuthenticationError(f"rank 0: refused rank(s) {refused}: their hello failed authentication "
+                                  f"(HMAC-SHA256 under the group secret); every rank must read the same "
+                                  f"{SECRET_FILE_ENV} or {SECRET_ENV}")
+    store.set(_KEY + "verdict", verdict_proof(secret, nonce, world))
+    return nonce
 
 
 def _die_with_parent() -> None:
@@ -79,13 +192,16 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphaned workers
 
 
-def spawn_local_workers(config: EngineConfig, port: int) -> list[subprocess.Popen]:
-    """Starts ranks 1..W-1 on this host, as `lockstep worker` processes."""
+def spawn_local_workers(config: EngineConfig, port: int, secret: bytes) -> list[subprocess.Popen]:
+    """Starts ranks 1..W-1 on this host, as `lockstep worker` processes that hold the leader's secret
+    (in their environment: readable only by this user)."""
     workers = []
     for rank in range(1, world_size(config)):
         env = dict(os.environ, LOCKSTEP_RANK=str(rank), LOCKSTEP_WORLD_SIZE=str(world_size(config)),
-                   LOCKSTEP_LEADER_ADDR="127.0.0.1", LOCKSTEP_RENDEZVOUS_PORT=str(port),
-                   LOCKSTEP_ENGINE_CONFIG=json.dumps(asdict(config)))
+                   LOCKSTEP_LOCAL_RANK=str(rank), LOCKSTEP_LEADER_ADDR="127.0.0.1",
+                   LOCKSTEP_RENDEZVOUS_PORT=str(port), LOCKSTEP_ENGINE_CONFIG=json.dumps(asdict(config)))
+        env.pop(SECRET_FILE_ENV, None)
+        env[SECRET_ENV] = secret.decode()
         workers.append(subprocess.Popen([sys.executable, "-m", "lockstep.cli", "worker"], env=env,
                                         preexec_fn=_die_with_parent))
     atexit.register(stop_workers, workers)
@@ -103,10 +219,14 @@ def stop_workers(workers: list[subprocess.Popen]) -> None:
             worker.kill()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def listen_on_loopback() -> socket.socket:
+    """The rendezvous listener of a group whose ranks all run on this host: bound to 127.0.0.1 only (a
+    TCPStore of its own would listen on every interface), on a free port, held from now on (no race
+    for the port between choosing and binding it)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
 
 
 def check_layout(config: EngineConfig, model) -> None:

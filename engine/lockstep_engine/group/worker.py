@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
-
 from lockstep_engine.config import EngineConfig
+from lockstep_engine.group.channel import STOP
+from lockstep_engine.group.errors import AuthenticationError
 from lockstep_engine.group.executor import load_engine
-from lockstep_engine.group.plan_codec import PlanDecoder
+from lockstep_engine.group.plan_codec import PlanCodecError, PlanDecoder
 from lockstep_engine.group.rendezvous import GroupError, world_size
 from lockstep_engine.log import log
 
 
 def run_worker(config: EngineConfig) -> int:
     """Loads this rank's shard (rank from LOCKSTEP_RANK), then runs the leader's windows until it
-    says stop (0) or is lost (1)."""
+    says stop (0), is lost (1) or sends what this rank refuses (1: a frame that fails authentication,
+    a plan that fails to decode)."""
     rank = int(os.environ["LOCKSTEP_RANK"])
     world = int(os.environ.get("LOCKSTEP_WORLD_SIZE", world_size(config)))
     if world != world_size(config):
@@ -23,19 +24,25 @@ def run_worker(config: EngineConfig) -> int:
                          f"pipeline_parallel_size = {world_size(config)}")
     if rank == 0:
         raise GroupError("LOCKSTEP_RANK=0 is the leader: it runs `lockstep serve`, not `lockstep worker`")
-    executor = load_engine(config, rank).executor
+    try:
+        loaded = load_engine(config, rank)
+    except GroupError as error:  # the rendezvous failed or refused this rank: the message names it
+        log(f"{error}; exiting")
+        return 1
+    executor, channel = loaded.executor, loaded.channel
     decoder = PlanDecoder()
     log(f"rank {rank}: ready")
     while True:
-        message = [None]
         try:
-            dist.broadcast_object_list(message, src=0)
+            kind, data = channel.receive()
+            if kind == STOP:
+                return 0
+            plan = decoder.decode(data)
+        except (AuthenticationError, PlanCodecError) as error:
+            log(f"rank {rank}: {error}; exiting")
+            return 1
         except RuntimeError as error:
             log(f"rank {rank}: lost the leader ({error}); exiting")
             return 1
-        kind, data = message[0]
-        if kind == "stop":
-            return 0
-        plan = decoder.decode(data)
         if plan is not None:  # None: a release-only message, nothing to run
             executor.execute_window(plan, lambda step: None)

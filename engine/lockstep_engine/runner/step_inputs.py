@@ -44,8 +44,8 @@ def packed_to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dic
     not hand a pinned block out again before the copies that read it have run.
     """
     groups: dict[np.dtype, list[str]] = {}
-    for name, array in arrays.items():
-        groups.setdefault(array.dtype, []).append(name)
+    for name, host in arrays.items():
+        groups.setdefault(host.dtype, []).append(name)
     views = {}
     for dtype, names in groups.items():
         offsets = [0]
@@ -108,7 +108,7 @@ def first_step_arrays(rows, block_size: int, sink_block: int) -> dict[str, np.nd
         "num_generated": np.fromiter((len(row.seq.token_ids) - row.seq.request.prompt_len for row in sampling_rows),
                                      np.int64, len(sampling_rows)),
         "max_steps": np.fromiter((row.max_steps for row in sampling_rows), np.int64, len(sampling_rows)),
-        "budget": np.fromiter((row.seq.remaining_tokens for row in sampling_rows), np.int64, len(sampling_rows)),
+        "budget": np.fromiter((row.remaining_tokens for row in sampling_rows), np.int64, len(sampling_rows)),
     }
 
 
