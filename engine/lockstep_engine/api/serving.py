@@ -8,7 +8,6 @@ Streams send one chunk per choice per engine step that brought it tokens, as vLL
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from lockstep.protocol import TokenLogprobs
 from lockstep_engine.api import extras, metrics, structured, tools
 from lockstep_engine.api.client import EngineBusyError, EngineCoreClient, EngineDeadError, Generation, RequestRejected
+from lockstep_engine.api.sse import SSE_DONE, SSE_HEADERS, ClientGone, message_text, sse, usage, watch_disconnect
 from lockstep_engine.api.errors import APIError, bad_request, error_body
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
@@ -33,16 +33,6 @@ from lockstep_engine.api.server_defaults import ServerDefaults
 from lockstep_engine.guided_schema import GuidedDecodingError, compile_json_schema
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
 from lockstep_engine.validation import MAX_PROMPTS, validate_batch, validate_messages, validate_request
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
 
 @dataclass
 class _Job:
@@ -112,6 +102,11 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise bad_request(f"{param}: model {self.model_name!r} has no tokenizer; send token ids instead of text",
                               param)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            # The Rust tokenizer releases the GIL while it encodes; transformers' encode() then holds it
+            # for ~0.7 s per 10 MB building its Python lists, which stalls the event loop's /health.
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int]) -> str:
@@ -140,7 +135,7 @@ class OpenAIServing:
         if continue_final_message and add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                               "continue_final_message")
-        conversation = [tools.template_message(m, _message_text(m, i)) for i, m in enumerate(messages)]
+        conversation = [tools.template_message(m, message_text(m, i)) for i, m in enumerate(messages)]
         try:
             ids = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
@@ -274,7 +269,7 @@ class OpenAIServing:
                 choices.append({"index": p_index * job.n + seq.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
         return JSONResponse({"id": response_id, "object": "text_completion", "created": job.created,
-                             "model": job.model, "choices": choices, "usage": _usage(generation)})
+                             "model": job.model, "choices": choices, "usage": usage(generation)})
 
     def _completion_chunks(self, job: _Job) -> list[dict]:
         chunks = []
@@ -345,7 +340,7 @@ class OpenAIServing:
                             "logprobs": logprobs, "finish_reason": finish_reason,
                             "stop_reason": seq.stop_reason})
         return JSONResponse({"id": response_id, "object": "chat.completion", "created": job.created,
-                             "model": job.model, "choices": choices, "usage": _usage(generation)})
+                             "model": job.model, "choices": choices, "usage": usage(generation)})
 
     def _chat_chunk(self, job: _Job, index: int, delta: dict, logprobs=None, finish_reason=None,
                     stop_reason=None) -> dict:
@@ -404,14 +399,14 @@ class OpenAIServing:
         completed = False
         try:
             if first_chunks:
-                yield "".join(_sse(chunk) for chunk in first_chunks)
+                yield "".join(sse(chunk) for chunk in first_chunks)
             while True:
                 chunks = make_chunks(job)
                 if chunks:
                     if job.continuous_usage:
                         for chunk in chunks:
-                            chunk["usage"] = _usage(generation)
-                    payload = "".join(_sse(chunk) for chunk in chunks)
+                            chunk["usage"] = usage(generation)
+                    payload = "".join(sse(chunk) for chunk in chunks)
                     metrics.observe_stream_delay(time.monotonic() - generation.last_emitted_at)
                     yield payload
                 if generation.finished:
@@ -423,18 +418,18 @@ class OpenAIServing:
             completed = True
             tail = ""
             if job.include_usage:
-                tail = _sse({"id": job.response_id, "object": job.chunk_object, "created": job.created,
-                             "model": job.model, "choices": [], "usage": _usage(generation)})
+                tail = sse({"id": job.response_id, "object": job.chunk_object, "created": job.created,
+                             "model": job.model, "choices": [], "usage": usage(generation)})
             yield tail + SSE_DONE
         except RequestRejected as error:
             completed = True
-            yield _sse(error_body(400, str(error), error.param)) + SSE_DONE
+            yield sse(error_body(400, str(error), error.param)) + SSE_DONE
         except EngineDeadError as error:
             completed = True
-            yield _sse(error_body(503, str(error))) + SSE_DONE
+            yield sse(error_body(503, str(error))) + SSE_DONE
         except RuntimeError as error:
             completed = True
-            yield _sse(error_body(500, str(error))) + SSE_DONE
+            yield sse(error_body(500, str(error))) + SSE_DONE
         finally:
             # A client that went away mid-stream lands here via cancellation: free its blocks.
             if completed and generation.finished:
@@ -444,7 +439,7 @@ class OpenAIServing:
 
     async def _wait_finished(self, job: _Job, request: Request) -> None:
         generation = job.generation
-        watcher = asyncio.create_task(_watch_disconnect(request, generation))
+        watcher = asyncio.create_task(watch_disconnect(request, generation))
         try:
             while not generation.finished:
                 await generation.wait(self.idle_timeout_s)
@@ -457,7 +452,7 @@ class OpenAIServing:
             raise APIError(503, str(error)) from None
         except RuntimeError as error:
             raise APIError(500, str(error)) from None
-        except _ClientGone:
+        except ClientGone:
             self.client.abort(generation)
             raise APIError(400, "the client disconnected before the response was ready") from None
         finally:
@@ -487,37 +482,3 @@ class OpenAIServing:
         if bad is not None:
             raise bad_request(f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
         return {"prompt": self.decode(body.tokens)}
-
-
-class _ClientGone(Exception):
-    """The HTTP client disconnected before its non-streaming response was ready."""
-
-
-async def _watch_disconnect(request: Request, generation: Generation) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            if not generation.finished and generation.error is None:
-                generation.error = _ClientGone()
-                generation.updated.set()
-            return
-
-
-def _message_text(message: ChatMessage, index: int) -> str:
-    content = message.content
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"messages[{index}].content: only text parts are supported, got {part.type!r}",
-                              f"messages.{index}.content")
-        parts.append(part.text)
-    return "".join(parts)
-
-
-def _usage(generation: Generation) -> dict:
-    prompt_tokens = sum(len(state.prompt_token_ids) for state in generation.states)
-    completion_tokens = sum(len(seq.token_ids) for state in generation.states for seq in state.sequences)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

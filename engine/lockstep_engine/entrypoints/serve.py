@@ -18,7 +18,7 @@ from dataclasses import fields
 
 from lockstep_engine.config import SCHEDULING_POLICIES, ConfigError, EngineConfig, num_scheduler_steps_arg
 from lockstep_engine.entrypoints import vllm_flags
-from lockstep_engine.entrypoints.vllm_flags import human_readable_int
+from lockstep_engine.entrypoints.cli_values import config_file_args, human_readable_int
 
 DEFAULT_PORT = 8000
 
@@ -118,7 +118,7 @@ def parse_args(argv: list[str]):
     from lockstep_engine.api.client import CoreTimeouts
 
     parser = build_parser()
-    args = parser.parse_args(vllm_flags.expand_argv(vllm_flags.config_file_args(argv, parser)))
+    args = parser.parse_args(vllm_flags.expand_argv(config_file_args(argv, parser)))
     notices, errors = vllm_flags.check(args)
     errors += vllm_flags.frontend_errors(args)
     if errors:

@@ -1,0 +1,55 @@
+"""Small pieces of the OpenAI handlers: SSE framing, usage counts, chat message text, client disconnects."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+
+from lockstep_engine.api.client import Generation
+from lockstep_engine.api.errors import bad_request
+from lockstep_engine.api.openai_models import ChatMessage
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its non-streaming response was ready."""
+
+
+async def watch_disconnect(request: Request, generation: Generation) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            if not generation.finished and generation.error is None:
+                generation.error = ClientGone()
+                generation.updated.set()
+            return
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{index}].content: only text parts are supported, got {part.type!r}",
+                              f"messages.{index}.content")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def usage(generation: Generation) -> dict:
+    prompt_tokens = sum(len(state.prompt_token_ids) for state in generation.states)
+    completion_tokens = sum(len(seq.token_ids) for state in generation.states for seq in state.sequences)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
