@@ -72,7 +72,9 @@ def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_0(own_server
     assert server.process.wait(60) == 0
 
 
-def test_a_dead_core_fails_requests_in_flight_and_health(own_servers):
+def test_a_dead_core_fails_requests_in_flight_and_the_server_exits_1(own_servers):
+    """Issue 15, fatal means exit: the stream in flight ends with a 503 error event, then the server
+    exits non-zero so that its supervisor restarts it."""
     server = own_servers[1]
     results = [None]
     started = threading.Event()
@@ -83,8 +85,6 @@ def test_a_dead_core_fails_requests_in_flight_and_health(own_servers):
     thread.join(30)
     assert not thread.is_alive()
     tokens, finish, error = results[0]
-    assert error is not None and error["code"] == 503 and finish is None
-    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
-    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
-    assert refused.status_code == 503 and "engine core" in refused.json()["error"]["message"]
-    assert server.stop() == 0
+    assert isinstance(error, dict) and error["code"] == 503 and "engine core" in error["message"], error
+    assert tokens > 0 and finish is None
+    assert server.process.wait(30) == 1

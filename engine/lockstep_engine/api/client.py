@@ -136,6 +136,7 @@ class EngineCoreClient:
 
     async def shutdown(self) -> None:
         """Stops the core: a Shutdown message, then terminate/kill after a timeout. Idempotent."""
+        self.on_dead = None  # the core exiting now is the shutdown asked for, not a fatal loss
         if self._watchdog is not None:
             self._watchdog.cancel()
         process = self._process

@@ -102,11 +102,6 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise bad_request(f"{param}: model {self.model_name!r} has no tokenizer; send token ids instead of text",
                               param)
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            # The Rust tokenizer releases the GIL while it encodes; transformers' encode() then holds it
-            # for ~0.7 s per 10 MB building its Python lists, which stalls the event loop's /health.
-            return backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int]) -> str:
