@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import base64
 import os
 import signal
 import subprocess
@@ -223,6 +224,8 @@ def test_a_tp2_group_in_one_pod_serves_and_a_lost_rank_ends_the_pod(tmp_path):
     script = tmp_path / "launch.py"
     script.write_text(LAUNCHER)
     port = free_port()
+    secret = tmp_path / "group-secret"  # what the operator mounts from the LLMService's group Secret
+    secret.write_text(base64.b64encode(os.urandom(32)).decode())
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -233,6 +236,7 @@ def test_a_tp2_group_in_one_pod_serves_and_a_lost_rank_ends_the_pod(tmp_path):
         "LOCKSTEP_RENDEZVOUS_PORT": str(free_port()),
         "LOCKSTEP_CACHE": str(tmp_path / "cache"),
         "LOCKSTEP_IMAGE_MODELS": str(tmp_path / "none"),
+        "LOCKSTEP_GROUP_SECRET_FILE": str(secret),
     }
     log = (tmp_path / "pod.log").open("w")
     pod = subprocess.Popen(
