@@ -116,7 +116,8 @@ def test_history_tool_calls_and_results_reach_the_chat_template(servers):
     server = servers("smoltools")
     template = ("{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
                 "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments.city }})]"
-                "{% endfor %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}\n{% endfor %}")
+                "{% endfor %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{{ '\\n' }}{% endfor %}")
+    # (the newline as an expression: chat templates render with trim_blocks, as Hugging Face does)
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call1", "type": "function",
