@@ -6,6 +6,7 @@ Each prints one `SCENARIO <name>: PASS|FAIL` line.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -245,89 +246,112 @@ def test_spec_change_rolls_one_group_at_a_time(kubectl: Kubectl, gateway_port: i
         assert answered[0] > 0
 
 
+def meta_label(name: str) -> str:
+    """A Kubernetes label as Prometheus' service discovery names it (`__meta_kubernetes_pod_label_<name>`)."""
+    return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def discovered_pod_targets(kubectl: Kubectl) -> list[dict[str, Any]]:
+    """What Prometheus' `kubernetes_sd_configs` (role: pod) discovers in the namespace, as file_sd groups:
+    one target per container port of every running pod, with the pod's labels as meta labels. Debian's
+    prometheus 2.42 is built without kubernetes_sd, so the test lists the pods and hands them over."""
+    groups = []
+    for pod in kubectl.json("get", "pods", "-n", NAMESPACE)["items"]:
+        ip = pod["status"].get("podIP")
+        if pod["status"].get("phase") != "Running" or not ip:
+            continue
+        labels = {meta_label(k): v for k, v in pod["metadata"].get("labels", {}).items()}
+        labels |= {"__meta_kubernetes_namespace": NAMESPACE, "__meta_kubernetes_pod_name": pod["metadata"]["name"]}
+        for container in pod["spec"]["containers"]:
+            for port in container.get("ports", []):
+                groups.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": labels | {
+                    "__meta_kubernetes_pod_container_name": container["name"],
+                    "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                    "__meta_kubernetes_pod_container_port_number": str(port["containerPort"])}})  # fmt: skip
+    return groups
+
+
+def podmonitor_scrape_config(monitor: dict[str, Any], file_sd: str) -> dict[str, Any]:
+    """The PodMonitor as Prometheus Operator translates it: keep pods whose labels match the selector and
+    the named port, then the monitor's own relabelings."""
+    spec = monitor["spec"]
+    relabel: list[dict[str, Any]] = [
+        {"source_labels": [meta_label(k)], "regex": v, "action": "keep"} for k, v in spec["selector"]["matchLabels"].items()
+    ]
+    for expr in spec["selector"].get("matchExpressions", []):
+        action = {"In": "keep", "NotIn": "drop"}[expr["operator"]]
+        relabel.append({"source_labels": [meta_label(expr["key"])], "regex": "|".join(expr["values"]), "action": action})
+    endpoint = spec["podMetricsEndpoints"][0]
+    relabel.append({"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": endpoint["port"], "action": "keep"})
+    relabel.append({"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"})
+    relabel += [{"source_labels": r["sourceLabels"], "target_label": r["targetLabel"]} for r in endpoint.get("relabelings", [])]
+    return {"job_name": "engines", "metrics_path": endpoint.get("path", "/metrics"),
+            "file_sd_configs": [{"files": [file_sd]}], "relabel_configs": relabel}  # fmt: skip
+
+
+def engine_pods(kubectl: Kubectl, index: str) -> list[str]:
+    selector = f"app.kubernetes.io/name=lockstep-engine,apps.kubernetes.io/pod-index{index}"
+    return sorted(p["metadata"]["name"] for p in kubectl.json("get", "pods", "-n", NAMESPACE, "-l", selector)["items"])
+
+
 def test_prometheus_scrapes_leaders_not_workers(kubectl: Kubectl, helm_config, tmp_path) -> None:
     import json
     import shutil
     import socket
     import subprocess
+    import urllib.parse
     import urllib.request
 
     import helm_python as helm
     import yaml
-    from e2e_harness import KUBECONFIG
 
     with scenario("a real Prometheus scrapes leaders, not workers (the chart's PodMonitor)"):
         with helm.Chart.load(str(CHART)) as chart:
             rendered = helm_config.render(chart, {**RELEASE_VALUES, "monitoring": {"podMonitor": {"enabled": True}}},
                                           name=RELEASE, namespace=NAMESPACE)  # fmt: skip
-        monitors = [
-            d
-            for file, text in rendered.items()
-            if file.endswith(".yaml")
-            for d in yaml.safe_load_all(text)
-            if d and d.get("kind") == "PodMonitor"
-        ]
+        monitors = [d for file, text in rendered.items() if file.endswith(".yaml")
+                    for d in yaml.safe_load_all(text) if d and d.get("kind") == "PodMonitor"]  # fmt: skip
         assert len(monitors) == 1, monitors
-        spec = monitors[0]["spec"]
-        # The PodMonitor as Prometheus Operator would translate it: keep pods whose labels match, the named port.
-        relabel = [
-            {"source_labels": [f"__meta_kubernetes_pod_label_{k.replace('.', '_').replace('/', '_').replace('-', '_')}"],
-             "regex": v, "action": "keep"}
-            for k, v in spec["selector"]["matchLabels"].items()
-        ]  # fmt: skip
-        for expr in spec["selector"].get("matchExpressions", []):
-            label = f"__meta_kubernetes_pod_label_{expr['key'].replace('.', '_').replace('/', '_').replace('-', '_')}"
-            action = {"In": "keep", "NotIn": "drop"}[expr["operator"]]
-            relabel.append(
-                {
-                    "source_labels": [label],
-                    "regex": "|".join(expr["values"]),
-                    "action": action,
-                }
-            )
-        endpoint = spec["podMetricsEndpoints"][0]
-        relabel += [
-            {
-                "source_labels": ["__meta_kubernetes_pod_container_port_name"],
-                "regex": endpoint["port"],
-                "action": "keep",
-            },
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        ]
+        leaders, workers = engine_pods(kubectl, "=0"), engine_pods(kubectl, "!=0")
+        assert leaders and workers, (leaders, workers)
+        discovered = discovered_pod_targets(kubectl)
+        (tmp_path / "pods.json").write_text(json.dumps(discovered))
+        config = {
+            "global": {"scrape_interval": "2s", "scrape_timeout": "2s"},
+            "scrape_configs": [podmonitor_scrape_config(monitors[0], str(tmp_path / "pods.json"))],
+        }
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        config = {
-            "global": {"scrape_interval": "2s", "scrape_timeout": "2s"},
-            "scrape_configs": [{
-                "job_name": "engines", "metrics_path": endpoint.get("path", "/metrics"),
-                "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": KUBECONFIG, "namespaces": {"names": [NAMESPACE]}}],
-                "relabel_configs": relabel,
-            }],
-        }  # fmt: skip
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         with open(tmp_path / "prometheus.log", "wb") as log:
             process = subprocess.Popen(
                 [shutil.which("prometheus") or "prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
                  f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                 stdout=subprocess.DEVNULL, stderr=log,
             )  # fmt: skip
+        api = f"http://127.0.0.1:{port}/api/v1"
         try:
 
-            def targets() -> list[dict]:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/targets", timeout=5) as r:
-                    active = json.load(r)["data"]["activeTargets"]
-                return active if active and all(t["health"] == "up" for t in active) else []
+            def up_series() -> dict[str, dict[str, Any]]:
+                """`up` per scraped pod, once every leader has one."""
+                url = f"{api}/query?" + urllib.parse.urlencode({"query": 'up{job="engines"}'})
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    result = json.load(r)["data"]["result"]
+                series = {s["metric"]["pod"]: s for s in result}
+                return series if set(leaders) <= set(series) else {}
 
-            active = wait_for("every engine target up", targets, timeout=120, interval=2)
-            scraped = sorted(t["labels"]["pod"] for t in active)
-            workers = [p["metadata"]["name"] for p in kubectl.json("get", "pods", "-n", NAMESPACE, "-l",
-                       "app.kubernetes.io/name=lockstep-engine,apps.kubernetes.io/pod-index!=0")["items"]]  # fmt: skip
-            leaders = [p["metadata"]["name"] for p in kubectl.json("get", "pods", "-n", NAMESPACE, "-l",
-                       "app.kubernetes.io/name=lockstep-engine,apps.kubernetes.io/pod-index=0")["items"]]  # fmt: skip
-            say(f"scraped {scraped}; workers {sorted(workers)}")
-            assert scraped == sorted(leaders)
-            assert workers and not set(workers) & set(scraped)
+            series = wait_for("an `up` series for every leader", up_series, timeout=120, interval=2)
+            with urllib.request.urlopen(f"{api}/targets", timeout=5) as r:
+                dropped = json.load(r)["data"]["droppedTargets"]
+            dropped_pods = {t["discoveredLabels"]["__meta_kubernetes_pod_name"] for t in dropped}
+            say("up: " + ", ".join(f"{p}={s['value'][1]} ({s['metric'].get('llmservice')})" for p, s in sorted(series.items()))
+                + f"; dropped: {sorted(dropped_pods)}")  # fmt: skip
+            assert sorted(series) == leaders, (sorted(series), leaders)
+            assert all(s["value"][1] == "1" for s in series.values()), series
+            assert all(s["metric"].get("llmservice") for s in series.values()), series
+            # Prometheus itself saw the workers (they declare the http port too) and its relabelling dropped them.
+            assert set(workers) <= dropped_pods, (workers, sorted(dropped_pods))
         finally:
             process.terminate()
             process.wait(timeout=30)
@@ -335,8 +359,12 @@ def test_prometheus_scrapes_leaders_not_workers(kubectl: Kubectl, helm_config, t
 
 def test_helm_test_passes(helm_config) -> None:
     with scenario("helm test"):
+        # A failing test pod raises HelmReleaseError; the logs show what the pod checked.
         result = helm_config.test(RELEASE, timeout=300, logs=True)
-        say(f"helm test: {str(result)[:300]}")
+        logs = str(result.get("logs", "") if isinstance(result, dict) else result)
+        say(f"helm test logs: {logs.strip()[:400]!r}")
+        assert "GET /health: 200" in logs, logs
+        assert "smollm2" in logs, logs
 
 
 def test_helm_uninstall_leaves_nothing_behind(kubectl: Kubectl, helm_config) -> None:
