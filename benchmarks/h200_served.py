@@ -19,6 +19,8 @@ Results go to $OUT/served.json, plots to $OUT/served_throughput.png and $OUT/ser
 A phase that would not fit the time left (`--budget`) is skipped and says so.
 
     bash benchmarks/h200_session.sh served           # on the H200, wheels from .whl (fetch_gpu_wheels.sh)
+    bash benchmarks/h200_session.sh sweep            # --settings: server settings side by side, rate inf only
+    bash benchmarks/h200_session.sh poisson          # --poisson-settings: a Poisson sweep over --rates per setting
     LOCKSTEP_SERVED_SMALL=1 OUT=/tmp/served python benchmarks/h200_served.py   # CPU dry run, random:tiny
 """
 
@@ -60,14 +62,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET_S", 510)),
                         help="seconds for everything; phases that would not fit are skipped")
     parser.add_argument("--start-timeout", type=float, default=240.0)
+    parser.add_argument("--settings", nargs="+", default=None, metavar="NAME=FLAGS",
+                        help='instead of the headline plan: one rate-inf run per server setting, e.g. '
+                             '"seqs512=--max-num-seqs 512" (NAME=, nothing after it: default flags)')
+    parser.add_argument("--poisson-settings", nargs="+", default=None, metavar="NAME=FLAGS",
+                        help="instead of the headline plan: per server setting (as --settings), one Poisson run "
+                             "per --rates, each --arrival-s seconds of arrivals (rate x that many requests)")
+    parser.add_argument("--arrival-s", type=float, default=3.0 if SMALL else 15.0,
+                        help="with --poisson-settings: seconds of arrivals per rate")
+    parser.add_argument("--extra-settings", nargs="+", default=[], metavar="NAME=FLAGS",
+                        help="after the headline plan: one rate-inf run per server setting, as --settings")
     return parser.parse_args()
 
 
 # ---- the server ----------------------------------------------------------------------------
 class Server:
+    started_count = 0  # each server its own port: a stopped one's may linger in TIME_WAIT
+
     def __init__(self, model: str, flags: list[str], name: str, out: str, env: dict):
         self.name = name
-        self.port = 18000 + len(name)
+        Server.started_count += 1
+        self.port = 18000 + Server.started_count
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(out, f"server_{name}.log")
         self._log = open(self.log_path, "wb")
@@ -201,6 +216,16 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
     return row
 
 
+def _parse_settings(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """"NAME=FLAGS" strings as (name, flags)."""
+    return [(spec.split("=", 1)[0], spec.split("=", 1)[1].split()) for spec in specs]
+
+
+def _slug(label: str) -> str:
+    """A label as a file-name part (server logs and result JSON)."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label).strip("_")
+
+
 def _children_cpu_s() -> float:
     """User + system CPU seconds of this process's reaped children."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -226,6 +251,7 @@ def plot(results: dict, out: str) -> list[str]:
         ax.bar(names, [r["output_tok_per_s"] for r in bars], color="tab:blue")
         for i, r in enumerate(bars):
             ax.annotate(f"{r['req_per_s']:.1f} req/s", (i, r["output_tok_per_s"]), ha="center", va="bottom")
+        plt.setp(ax.get_xticklabels(), rotation=20, ha="right")  # long setting names would overlap
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{results['model']}, sharegpt-synth, rate inf, {results['device']}")
         fig.tight_layout()
@@ -293,9 +319,18 @@ def main() -> int:
                "skipped": [], "errors": []}
     first_vocab, warm_vocab = args.vocab_sizes
     settings = [("default", []), ("N=1", ["--num-scheduler-steps", "1"])]
+    if args.settings or args.poisson_settings:
+        settings = _parse_settings(args.settings or args.poisson_settings)
+    extras = _parse_settings(args.extra_settings)
+    settings += extras
+    inf_only = {name for name, _ in extras} | ({name for name, _ in settings} if args.settings else set())
     # Seconds each phase is expected to need at most on the H200 (start-up includes a cold Triton cache).
-    expect = {"start": 120, "inf": 60, 10.0: 70, 25.0: 45} if not SMALL else {"start": 60, "inf": 60, 10.0: 30,
-                                                                                   25.0: 30}
+    expect = ({"start": 120, "warm_start": 40, "inf": 60, 10.0: 70, 25.0: 45} if not SMALL else
+              {"start": 60, "warm_start": 60, "inf": 60, 10.0: 30, 25.0: 30})
+    if args.poisson_settings:
+        # Arrivals plus the drain of the longest request (about 10 s on the H200 at N=8) and the client's start.
+        expect |= {"start": 45, "warm_start": 45, "inf": args.arrival_s + 15} | {
+            rate: args.arrival_s + 15 for rate in args.rates}
 
     def left() -> float:
         return args.budget - (time.monotonic() - started)
@@ -305,11 +340,9 @@ def main() -> int:
         with open(os.path.join(out, "served.json"), "w") as handle:
             json.dump(results, handle, indent=2)
 
-    for name, flags in settings:
-        if left() < expect["start"] + expect["inf"]:
-            results["skipped"].append(f"{name}: all runs ({left():.0f}s left)")
-            continue
-        server = Server(args.model, args.server_args.split() + flags, name.replace("=", ""), out, env)
+    def run_setting(name: str, flags: list[str]) -> None:
+        """One server: started (again without warm-up if the warm-up fails), its phases, stopped."""
+        server = Server(args.model, args.server_args.split() + flags, _slug(name), out, env)
         try:
             try:
                 server.wait_healthy(min(args.start_timeout, left()))
@@ -322,27 +355,19 @@ def main() -> int:
                 server.stop()
                 name = f"{name} (skip-warmup)"
                 server = Server(args.model, args.server_args.split() + flags + ["--skip-warmup"],
-                                name.split()[0].replace("=", "") + "_skip", out, env)
+                                _slug(name), out, env)
                 server.wait_healthy(min(args.start_timeout, left()))
             results["servers"][name] = {"startup_s": server.startup_s, "startup_line": server.startup_line(),
                                         "kernel_files_at_ready": kernel_files(cache_dir)}
             log(f"{name}: healthy after {server.startup_s:.1f}s; {server.startup_line()}")
-            # In order of need: the default's first and warm runs, then the sweeps, N=1's rate inf last.
-            inf = [(f"{name} @inf", math.inf, args.num_prompts, first_vocab)]
-            sweep = [(f"{name} @{rate:g}", rate, args.sweep_prompts, first_vocab) for rate in args.rates]
-            if name == "default":
-                phases = inf + [(f"{name} @inf, warm", math.inf, args.num_prompts, warm_vocab)] + sweep
-            else:
-                phases = sweep + inf
-            for label, rate, count, vocab in phases:
+            for label, rate, count, vocab in phases_of(name):
                 need = expect["inf"] if math.isinf(rate) else expect.get(rate, 90)
                 if left() < need:
                     results["skipped"].append(f"{label} ({left():.0f}s left, needs about {need}s)")
                     continue
                 try:
-                    results["runs"].append(bench(server, label.replace(" ", "_").replace("@", "").replace(",", ""),
-                                                 out, count, rate, vocab, env, cache_dir, left())
-                                           | {"label": label})
+                    results["runs"].append(bench(server, _slug(label), out, count, rate, vocab, env, cache_dir,
+                                                 left()) | {"label": label})
                 except RuntimeError as error:
                     results["errors"].append(str(error)[-3000:])
                     log(str(error)[-3000:])
@@ -353,6 +378,28 @@ def main() -> int:
         finally:
             server.stop()
         save()
+
+    def phases_of(name: str) -> list[tuple[str, float, int, int]]:
+        """(label, rate, requests, vocab) in order of need: the default's first and warm runs, then the
+        sweeps, N=1's rate inf last; a --settings or --extra-settings variant runs rate inf once."""
+        if args.poisson_settings:
+            counts = [max(1, round(rate * args.arrival_s)) for rate in args.rates]
+            return [(f"{name} @{rate:g} ({count})", rate, count, first_vocab)
+                    for rate, count in zip(args.rates, counts)]
+        inf = [(f"{name} @inf", math.inf, args.num_prompts, first_vocab)]
+        if name in inf_only:
+            return inf
+        sweep = [(f"{name} @{rate:g}", rate, args.sweep_prompts, first_vocab) for rate in args.rates]
+        if name == "default":
+            return inf + [(f"{name} @inf, warm", math.inf, args.num_prompts, warm_vocab)] + sweep
+        return sweep + inf
+
+    for name, flags in settings:
+        # A server after the first finds the kernels compiled (the Triton cache is shared): a shorter start.
+        if left() < (expect["start"] if not results["servers"] else expect["warm_start"]) + expect["inf"]:
+            results["skipped"].append(f"{name}: all runs ({left():.0f}s left)")
+            continue
+        run_setting(name, flags)
     results["plots"] = [os.path.basename(p) for p in plot(results, out)]
     save()
     print(table(results))

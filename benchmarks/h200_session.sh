@@ -14,6 +14,14 @@
 #                                              #   fastapi, starlette, uvicorn, pydantic, pydantic_core,
 #                                              #   annotated-types, typing-inspection, typing_extensions,
 #                                              #   opentelemetry-api
+#   SETTINGS="default= seqs512=--max-num-seqs+512" bash benchmarks/h200_session.sh sweep
+#                                              # one GPU, carrying .whl: one rate-inf run (1000 requests)
+#                                              #   per server setting ('+' stands for a space in its
+#                                              #   flags), then the kernel, decode-graph, step-timer tests
+#   RATES="5 10 20 30 40" ARRIVAL_S=15 bash benchmarks/h200_session.sh poisson
+#                                              # one GPU, carrying .whl: per setting (SETTINGS, as sweep;
+#                                              #   default flags, N=1, N=8 FCFS unless given) one server and
+#                                              #   a Poisson run per rate, rate x ARRIVAL_S requests each
 #
 # Logs and JSON go to $OUT (at most 8 files come back from the device tool).
 set -u
@@ -47,8 +55,43 @@ served)
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PYTHONPATH
     python3 -c "import fastapi, uvicorn, pydantic, lockstep_engine.api.app" || exit 1
-    timeout 540 python3 benchmarks/h200_served.py 2>&1 | tee "$OUT/served.log"
+    # EXTRA: more server settings, one rate-inf run each after the headline ('+' for a space, as SETTINGS)
+    read -r -a extra <<<"${EXTRA:-}"
+    extra_args=()
+    [ ${#extra[@]} -gt 0 ] && extra_args=(--extra-settings "${extra[@]//+/ }")
+    timeout 540 python3 benchmarks/h200_served.py "${extra_args[@]}" 2>&1 | tee "$OUT/served.log"
     echo "== h200_served exit ${PIPESTATUS[0]}"
+    ;;
+sweep)
+    # Server settings side by side at rate inf (1000 requests each; SETTINGS overrides the list), then
+    # the GPU tests; server logs come back as one archive (the device tool returns at most 8 files).
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+    mkdir -p /tmp/sweep
+    read -r -a settings <<<"${SETTINGS:-default=}"
+    OUT=/tmp/sweep timeout "${SWEEP_S:-420}" python3 benchmarks/h200_served.py --budget "$((${SWEEP_S:-420} - 20))" \
+        --settings "${settings[@]//+/ }" 2>&1 | tee "$OUT/sweep.log"
+    echo "== sweep exit ${PIPESTATUS[0]}"
+    cp /tmp/sweep/served.json "$OUT/" 2>/dev/null
+    tar -czf "$OUT/server_logs.tgz" -C /tmp/sweep . 2>/dev/null
+    if [ "${TESTS_S:-150}" -gt 0 ]; then
+        timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/kernels \
+            tests/engine/test_decode_graphs.py tests/engine/test_step_timer.py 2>&1 | tail -n 15 | tee "$OUT/tests.log"
+    fi
+    ;;
+poisson)
+    # Poisson arrivals per server setting (one server each, reused across RATES; ARRIVAL_S seconds of
+    # arrivals per rate), no rate-inf run and no tests: issue 18's latency-against-rate sweep.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+    read -r -a settings <<<"${SETTINGS:-default= steps1=--num-scheduler-steps+1 steps8-fcfs=--num-scheduler-steps+8+--scheduling-policy+fcfs}"
+    read -r -a rates <<<"${RATES:-5 10 20 30 40}"
+    timeout "$((${POISSON_S:-540} + 20))" python3 benchmarks/h200_served.py --budget "${POISSON_S:-540}" \
+        --rates "${rates[@]}" --arrival-s "${ARRIVAL_S:-15}" --poisson-settings "${settings[@]//+/ }" 2>&1 |
+        tee "$OUT/poisson.log"
+    echo "== poisson exit ${PIPESTATUS[0]}"
     ;;
 parallel)
     timeout 560 python benchmarks/gpu_parallel_run.py --layouts 1x1 2x1 1x2 --steps 8 1 \
@@ -57,7 +100,7 @@ parallel)
     grep -E "Error|error|Traceback" "$OUT/parallel.log" | head -20
     ;;
 *)
-    echo "usage: $0 single|parallel|served" >&2
+    echo "usage: $0 single|parallel|served|sweep|poisson" >&2
     exit 2
     ;;
 esac

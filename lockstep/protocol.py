@@ -83,6 +83,8 @@ class SequenceOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     scheduled_at: float | None = None  # time.monotonic() of the request's first schedule (vLLM's queue time)
+    # With a sample's first token, when the request asked for them: entry i is of prompt token i + 1
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -93,11 +95,13 @@ class StepOutputs:
 
 @dataclass
 class RequestFailed:
-    """The core refused a request it was sent (e.g. the prompt can never fit the KV cache)."""
+    """The core refused a request it was sent (e.g. the prompt can never fit the KV cache), or ended
+    one on an error of its own (`internal`: a 500, not the client's fault); other requests go on."""
 
     request_id: str
     message: str
     param: str | None = None
+    internal: bool = False
 
 
 @dataclass

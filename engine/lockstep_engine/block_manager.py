@@ -93,6 +93,8 @@ class BlockManager:
         block boundary so that no shared cached block is ever written.
         """
         assert not seq.block_ids and seq.num_computed == 0
+        if seq.request.params.prompt_logprobs is not None:
+            return 0  # its prompt's logits are needed at every position, so all of it is computed (as in vLLM)
         limit = seq.compute_target - 1
         if not self.enable_prefix_caching or limit < self.block_size:
             if self.enable_prefix_caching:

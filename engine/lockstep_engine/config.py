@@ -11,8 +11,12 @@ from dataclasses import dataclass, replace
 from typing import Literal, Union
 
 MAX_SCHEDULER_STEPS = 64
+# Prefill tokens per step by default (vLLM's default for its API server on large GPUs): served on one
+# H200 at rate inf, 42.3-42.7 req/s against 39.9 with 2048 in the same call: fewer windows stop for a
+# prefill step, each with a larger chunk (docs/BENCHMARKS.md, "Served, default flags").
+DEFAULT_BATCHED_TOKENS = 8192
 AUTO = "auto"
-SCHEDULING_POLICIES = ("fcfs", "lof")
+SCHEDULING_POLICIES = ("fcfs", "lof", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 LOAD_FORMATS = ("auto", "safetensors", "gguf")  # what `sources.resolve` reads (vLLM's names)
@@ -77,15 +81,17 @@ class EngineConfig:
     num_scheduler_steps: Union[int, str] = 8
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own context length
-    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len) capped by chunked prefill
+    # None: max(DEFAULT_BATCHED_TOKENS, max_num_seqs); a prompt longer than that is chunked over windows.
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     # Order of admission from the queue: "fcfs" (arrival), or "lof" (longest output first: the largest
     # remaining max_tokens first, SGLang's --schedule-policy lof), which starts long requests early; the
     # default, since it measured fastest (docs/BENCHMARKS.md, run 6). A request without max_tokens counts
     # as long as max_model_len allows. Under lof a request that has waited lof_max_wait_s seconds goes
-    # ahead of every fresh request that has not (by arrival), so short requests are never starved.
-    scheduling_policy: Literal["fcfs", "lof"] = "lof"
+    # ahead of every fresh request that has not (by arrival), so short requests are never starved. Or
+    # "priority" (vLLM's): the lowest request `priority` first, then arrival; preemption takes the last.
+    scheduling_policy: Literal["fcfs", "lof", "priority"] = "lof"
     lof_max_wait_s: float = 2.0
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -157,7 +163,7 @@ class EngineConfig:
         max_len = self.max_model_len or model_max_len
         _require(max_len <= model_max_len, "max_model_len", self.max_model_len,
                  f"at most the model's context length {model_max_len}")
-        batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        batched = self.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, self.max_num_seqs)
         if not self.enable_chunked_prefill:
             _require(batched >= max_len, "max_num_batched_tokens", batched,
                      f">= max_model_len ({max_len}) when chunked prefill is off")

@@ -111,7 +111,11 @@ class CoreLoop:
             if outputs:
                 self.writer.send(p.StepOutputs(outputs, time.monotonic()))
         elif isinstance(message, p.StopSequence):
-            self.core.stop_sequence(message.request_id, message.index, message.stop)
+            try:
+                self.core.stop_sequence(message.request_id, message.index, message.stop)
+            except Exception:  # e.g. a sample index the request does not have
+                self.core.fail_request(message.request_id, "applying its stop string")
+            self._send_failures()
         elif isinstance(message, p.Shutdown):
             self._stopping = True
 
@@ -128,7 +132,7 @@ class CoreLoop:
             log(f"error: admitting {message.request_id} failed:\n{traceback.format_exc()}")
             self.core.requests.pop(message.request_id, None)
             self.writer.send(p.RequestFailed(message.request_id, f"the engine could not admit the request: "
-                                                                 f"{type(error).__name__}", None))
+                                                                 f"{type(error).__name__}", None, internal=True))
 
     def _drain(self, block: bool, in_window: bool) -> None:
         try:
@@ -146,9 +150,14 @@ class CoreLoop:
     def _emit(self, outputs) -> None:
         if outputs:
             self.writer.send(p.StepOutputs(outputs, time.monotonic()))
+        self._send_failures()
         self.progress_at = time.monotonic()
         # Aborts and stop strings take effect inside the window: fewer wasted steps.
         self._drain(block=False, in_window=True)
+
+    def _send_failures(self) -> None:
+        for failure in self.core.take_failures():
+            self.writer.send(failure)
 
     def _publish_stats(self) -> None:
         core, stats = self.core, self.core.stats  # cumulative counters only: no samples are taken here
@@ -177,6 +186,7 @@ class CoreLoop:
                 break
             if self.core.has_unfinished():
                 timings = self.core.step(self._emit)
+                self._send_failures()  # those of the window's preparation and its last step
                 if timings is not None:
                     self.metrics.record_window(self.core.take_stats(), timings)
             self._publish_stats()

@@ -68,7 +68,11 @@ class LLMEngine:
 
     # ---- loop -------------------------------------------------------------------------------
     def _apply(self, output: SequenceOutput) -> None:
-        state, stop = self.processor.process(output)
+        try:
+            state, stop = self.processor.process(output)
+        except Exception:
+            self.core.fail_request(output.request_id, "detokenizing its output")
+            return
         if state is None:
             return
         if stop is not None:
@@ -84,6 +88,14 @@ class LLMEngine:
                 on_step(outputs)
 
         self.core.step(emit)
+        for failure in self.core.take_failures():
+            state = self.processor.states.get(failure.request_id)
+            if state is None:
+                continue
+            for seq in state.sequences:
+                if not seq.finished:
+                    seq.finish_reason = "error"  # vLLM's finish reason of a request the engine failed
+            self._updated[failure.request_id] = state
         updated, self._updated = self._updated, {}
         results = []
         for request_id, state in updated.items():
@@ -98,4 +110,5 @@ class LLMEngine:
                                     list(s.logprobs) if state.params.logprobs is not None else None,
                                     s.finish_reason, s.stop_reason) for s in state.sequences]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished,
-                             num_cached_tokens=state.num_cached_tokens)
+                             num_cached_tokens=state.num_cached_tokens,
+                             prompt_logprobs=state.prompt_logprobs_by_position())

@@ -4,18 +4,27 @@ The device decides the stops it can see (EOS, stop token ids, max_tokens, max_mo
 finish code per row with each step's tokens; the core applies it. Stop strings are the output
 processor's call: it stops a sequence through `stop_sequence`, and any token the window computed
 for it afterwards is counted as wasted.
+
+One request's error does not end the engine: what the core does for one request (forking its
+samples, preparing its window state, taking its tokens) runs inside a boundary that fails that
+request alone (`fail_request`: its client gets a `RequestFailed`, its blocks are freed). What a
+window does for all its rows at once (the device, the group's collectives) is not bounded here: an
+error there is fatal, and the core process exits.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from lockstep.protocol import SequenceOutput, TokenLogprobs
+from lockstep.protocol import RequestFailed, SequenceOutput, TokenLogprobs
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.group.executor import Executor
+from lockstep_engine.log import log
 from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_STOP, StepOutput, WindowTimings
 from lockstep_engine.scheduler import Scheduler, SchedulerLimits, WindowPlan
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
@@ -94,6 +103,7 @@ class EngineCore:
         self._in_flight: WindowPlan | None = None
         self._pending_release: list[Sequence] = []  # finished; blocks freed when no window is in flight
         self._busy = False  # work was left after the last window: the next one's wait counts as a gap
+        self._failures: list[RequestFailed] = []  # requests failed since the last `take_failures`
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -133,6 +143,29 @@ class EngineCore:
         if not self._in_flight:
             self._release_finished()
 
+    def fail_request(self, request_id: str, what: str) -> None:
+        """Ends one request on an error the engine hit while `what` (call it from the `except`: the
+        traceback goes to the server log under the request's id). Its blocks are freed (when the window
+        in flight ends, if one is), its client is told through `take_failures`, the others go on."""
+        error = sys.exc_info()[1]
+        log(f"error: request {request_id} failed while {what}; the engine goes on:\n{traceback.format_exc()}")
+        self._failures.append(RequestFailed(request_id, f"the engine failed the request while {what} "
+                                                        f"({type(error).__name__})", internal=True))
+        request = self.requests.get(request_id)
+        if request is None:
+            return  # it had ended already: only its client is left to tell
+        request.aborted = True
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if not self._in_flight:
+            self._release_finished()
+
+    def take_failures(self) -> list[RequestFailed]:
+        """The requests `fail_request` ended since the last call, for their clients."""
+        failures, self._failures = self._failures, []
+        return failures
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -165,8 +198,14 @@ class EngineCore:
     def step(self, emit: Callable[[list[SequenceOutput]], None]) -> WindowTimings | None:
         """Plans and runs one window; `emit` receives each step's outputs as the step completes."""
         started = time.perf_counter()
-        self.scheduler.fork_ready_requests([r for r in self.requests.values() if not r.forked])
+        for request in [r for r in self.requests.values() if not r.forked]:
+            try:
+                self.scheduler.fork_ready_requests([request])
+            except Exception:
+                self.fail_request(request.request_id, "forking its samples")
         plan = self.scheduler.schedule()
+        if plan is not None:
+            plan = self._prepare(plan)
         schedule_s = time.perf_counter() - started
         if plan is None:
             self._busy = False
@@ -183,6 +222,14 @@ class EngineCore:
         accepted = [0] * len(sampling)
 
         def on_step(step: StepOutput) -> None:
+            if step.prompt_logprobs is not None:
+                for index, chunk in step.prompt_logprobs.items():
+                    request = plan.rows[index].seq.request
+                    try:
+                        chunk.extend(request)
+                    except Exception:
+                        self.fail_request(request.request_id, "taking its prompt logprobs")
+                return
             outputs = []
             for i, token in enumerate(step.tokens):
                 if token < 0:
@@ -191,7 +238,10 @@ class EngineCore:
                 if seq.is_finished:
                     continue  # stopped or aborted by the host earlier in this window
                 accepted[i] += 1
-                outputs.append(self._append_token(seq, token, step, i))
+                try:
+                    outputs.append(self._append_token(seq, token, step, i))
+                except Exception:
+                    self.fail_request(seq.request.request_id, "taking its sampled token")
             self.stats.num_generated_tokens += len(outputs)
             self.stats.step_batch_sizes.append(len(sampling))
             emit(outputs)
@@ -228,6 +278,26 @@ class EngineCore:
             self.executor.on_idle()
         return timings
 
+    def _prepare(self, plan: WindowPlan) -> WindowPlan | None:
+        """Prepares the sequences new to windows (`Executor.prepare`, once per sequence). A request whose
+        preparation fails is failed and leaves the plan; the window runs the other rows. (A block copy
+        into a failed row's fresh block still runs: the block is free and nothing reads it.)"""
+        failed = False
+        for row in plan.rows:
+            seq = row.seq
+            if seq.prepared or seq.is_finished:
+                continue
+            try:
+                self.executor.prepare(row)
+                seq.prepared = True
+            except Exception:
+                failed = True
+                self.fail_request(seq.request.request_id, "preparing its window inputs")
+        if not failed:
+            return plan
+        plan.rows = [row for row in plan.rows if not row.seq.is_finished]
+        return plan if plan.rows else None
+
     def take_stats(self) -> CoreStats:
         """The core's statistics as a snapshot; the per-step samples in it are not kept here after."""
         return self.stats.take()
@@ -253,5 +323,9 @@ class EngineCore:
         elif code == FINISH_LENGTH:
             finish = "length"
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+        # A sample's first token carries the request's prompt logprobs, all computed by then.
+        prompt = seq.request.prompt_logprobs if seq.request.params.prompt_logprobs is not None and \
+            len(seq.token_ids) == seq.prompt_len + 1 else None
         return SequenceOutput(seq.request.request_id, seq.index, [token], logprobs, finish, stop_reason,
-                              seq.request.num_cached_tokens, scheduled_at=seq.first_scheduled_time)
+                              seq.request.num_cached_tokens, scheduled_at=seq.first_scheduled_time,
+                              prompt_logprobs=prompt)

@@ -99,6 +99,11 @@ class RequestState:
     prompt_token_ids: list[int]
     sequences: list[SequenceText]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # of prompt tokens 1.. once the first token came
+
+    def prompt_logprobs_by_position(self) -> list[TokenLogprobs | None] | None:
+        """vLLM's layout: one entry per prompt token, None for the first (nothing predicts it)."""
+        return None if self.prompt_logprobs is None else [None, *self.prompt_logprobs]
 
     @property
     def finished(self) -> bool:
@@ -130,6 +135,8 @@ class OutputProcessor:
         if state is None:
             return None, None
         state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
+        if output.prompt_logprobs is not None:
+            state.prompt_logprobs = output.prompt_logprobs
         seq = state.sequences[output.index]
         if seq.finished:
             return state, None

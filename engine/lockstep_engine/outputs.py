@@ -30,3 +30,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

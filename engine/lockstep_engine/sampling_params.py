@@ -64,6 +64,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled one is always added)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token after the first (the prompt's own added)
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
@@ -71,6 +72,7 @@ class SamplingParams:
     json_schema: dict | None = None  # guided decoding; None: unconstrained
     guided: dict | None = None  # a guided spec (guided_schema.GUIDED_KINDS); wins over json_schema
     extra: dict = field(default_factory=dict)
+    priority: int = 0  # scheduling_policy "priority": lower first (vLLM's request priority); ignored otherwise
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +103,8 @@ class SamplingParams:
         _check(bad is None, "stop_token_ids", bad, "non-negative token ids")
         if self.max_tokens is not None:
             _check(_is_int64(self.max_tokens, 1), "max_tokens", self.max_tokens, f"a positive integer up to {INT64_MAX}")
+        _check(_is_int(self.priority) and -INT64_MAX - 1 <= self.priority <= INT64_MAX, "priority", self.priority,
+               f"an integer in [{-INT64_MAX - 1}, {INT64_MAX}]")
         _check(_is_int64(self.min_tokens), "min_tokens", self.min_tokens, f"a non-negative integer up to {INT64_MAX}")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
@@ -113,6 +117,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _check(_is_int(self.logprobs) and 0 <= self.logprobs <= max_logprobs, "logprobs", self.logprobs,
                    f"an integer in [0, {max_logprobs}]")
+        if self.prompt_logprobs is not None:
+            _check(_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= max_logprobs, "prompt_logprobs",
+                   self.prompt_logprobs, f"an integer in [0, {max_logprobs}] (max_logprobs)")
         if self.logit_bias:
             _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias", f"<{len(self.logit_bias)} entries>",
                    f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")

@@ -3,10 +3,11 @@
 Each call to `schedule()` plans one window: a batch whose first step may carry prefill chunks
 (chunked prefill) next to decodes, and whose sampling rows then decode `num_steps` tokens without
 coming back here. Every KV slot the window may write is reserved beforehand (lookahead), so the
-device never needs the host mid-window. Order is first-come first-served or longest output first
-(`scheduling_policy`; under lof a request that has waited `lof_max_wait_s` goes ahead of longer ones,
-so short requests are not starved); when blocks run out the latest admitted is preempted and later recomputed (its
-computed blocks stay in the prefix cache). With `num_scheduler_steps="auto"` the window length follows
+device never needs the host mid-window. Order is first-come first-served, longest output first
+(under lof a request that has waited `lof_max_wait_s` goes ahead of longer ones, so short requests are
+not starved) or vLLM's priority (the request's `priority`, lower first, then arrival), as
+`scheduling_policy` says; when blocks run out the latest admitted (under priority: the last in
+priority order) is preempted and later recomputed (its computed blocks stay in the prefix cache). With `num_scheduler_steps="auto"` the window length follows
 the load and the measured costs of a step and of a window boundary (`observe_costs`).
 """
 
@@ -63,12 +64,16 @@ class SchedulerLimits:
     max_model_len: int
     num_scheduler_steps: int | str
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # "fcfs" or "lof" (longest remaining max_tokens first)
+    scheduling_policy: str = "fcfs"  # "fcfs", "lof" (longest remaining max_tokens first) or "priority"
     lof_max_wait_s: float = 2.0  # under lof, a sequence waiting longer goes ahead of fresh ones, by arrival
 
 
 def _arrival(seq: Sequence) -> float:
     return seq.request.arrival_time
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float]:
+    return seq.request.params.priority, seq.request.arrival_time
 
 
 class Scheduler:
@@ -101,7 +106,11 @@ class Scheduler:
         lof: preempted sequences ahead of fresh ones, then those that waited past lof_max_wait_s (by
         arrival), then the largest remaining max_tokens, then arrival; the queue stays sorted by that
         key (it does not change while a sequence waits: a waiting sequence generates nothing, and one
-        that ages is taken out and put back)."""
+        that ages is taken out and put back).
+        priority: by (priority, arrival), preempted or not, as vLLM's priority queue."""
+        if self.limits.scheduling_policy == "priority":
+            bisect.insort_right(self.waiting, seq, key=_priority_key)
+            return
         if self.limits.scheduling_policy == "lof":
             if not preempted:
                 bisect.insort_right(self._arrivals, seq, key=_arrival)
@@ -225,7 +234,8 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preemptions_before = self.num_preemptions
 
-        # Running sequences first, oldest first; the newest are preempted when blocks run out.
+        # Running sequences first, oldest first (under priority: in priority order); the last are
+        # preempted when blocks run out.
         index = 0
         while index < len(self.running):
             seq = self.running[index]
@@ -266,7 +276,10 @@ class Scheduler:
             self._aged.discard(seq.seq_id)
             copies += reserved
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.limits.scheduling_policy == "priority":
+                bisect.insort_right(self.running, seq, key=_priority_key)
+            else:
+                self.running.append(seq)
             rows.append(row)
             budget -= row.num_new_tokens
 

@@ -47,6 +47,7 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    prepared: bool = False  # its per-request window state is built (`Executor.prepare`)
 
     @property
     def prompt_len(self) -> int:
@@ -104,6 +105,7 @@ class Request:
     forked: bool = False
     num_cached_tokens: int = 0
     aborted: bool = False
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.. (computed so far)
 
     def __post_init__(self) -> None:
         if not self.sequences:

@@ -44,6 +44,11 @@ def validate_request(config: EngineConfig, model_config, token_ids: list[int], p
     """Checks a tokenized request against the model and the engine's limits (offline and server alike);
     raises SamplingParamsError naming the bad field."""
     params.validate(config.max_logprobs)
+    if params.prompt_logprobs is not None and config.pipeline_parallel_size > 1:
+        # Prompt logits exist on the last stage only, and no message brings them to the first.
+        raise SamplingParamsError("prompt_logprobs", params.prompt_logprobs,
+                                  f"null with pipeline_parallel_size={config.pipeline_parallel_size} (prompt "
+                                  f"logprobs need pipeline_parallel_size=1)")
     validate_prompt(config, model_config, token_ids)
     vocab = model_config.vocab_size
     for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):

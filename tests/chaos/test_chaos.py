@@ -1,5 +1,5 @@
-"""Chaos against a gateway over two real engines, under a client load: kill -9 one engine, freeze
-one for 10 s, a poison request, a disconnect storm. Each test asserts what every client got, that
+"""Chaos under a client load: kill -9 the engine core of a `lockstep serve`; and against a gateway
+over two real engines: kill -9 one engine, freeze one for 10 s, a poison request, a disconnect storm. Each test asserts what every client got, that
 no request was lost (each ended complete or with an OpenAI-shaped error) or hung, and that the
 engines serve afterwards. docs/RELIABILITY.md describes the suite."""
 
@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 from gateway_harness import Engine, wait_for
@@ -60,6 +61,62 @@ def _restart(engine: Engine) -> None:
         engine.kill()
     engine.start()
     engine.wait_healthy()
+
+
+def _core_pid(engine: Engine) -> int:
+    """The engine core: the child of `lockstep serve` that multiprocessing spawned (not its resource tracker)."""
+    children = subprocess.run(["pgrep", "-P", str(engine.process.pid)], capture_output=True, text=True,
+                              check=False).stdout.split()
+    cores = [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(cores) == 1, f"children {children}, cores {cores}"
+    return cores[0]
+
+
+def test_kill_9_of_the_engine_core_under_load_ends_every_request_and_the_server(log_dir):
+    """The API server fails what was in flight, refuses what comes after and exits non-zero within 10 s,
+    so that its supervisor restarts it; no client hangs."""
+    engine = Engine("chaos-core-kill", log_dir)
+    engine.start()
+    try:
+        engine.wait_healthy()
+        load = Load(engine.url)
+
+        async def scenario() -> tuple[float, float]:
+            running = asyncio.create_task(load.run())
+            deadline = time.monotonic() + 30
+            while sum(o.complete for o in load.outcomes) < 20 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            killed_at = time.monotonic()
+            os.kill(_core_pid(engine), signal.SIGKILL)
+            while engine.alive() and time.monotonic() < killed_at + 15:
+                await asyncio.sleep(0.05)
+            exited_at = time.monotonic()
+            load.stop.set()
+            await running
+            return killed_at, exited_at
+
+        killed_at, exited_at = asyncio.run(scenario())
+        assert not engine.alive(), f"lockstep serve still runs 15 s after its core's kill -9:\n{engine.log_tail()}"
+        assert engine.process.returncode != 0
+        assert exited_at - killed_at <= 10, f"lockstep serve exited {exited_at - killed_at:.1f} s after the kill"
+        assert sum(o.complete for o in load.outcomes) >= 20, load.summary()
+        in_flight = [o for o in load.outcomes if o.started < killed_at and not o.complete]
+        assert in_flight, "no request was being served at the kill"
+        for outcome in load.outcomes:
+            assert outcome.ended is not None and outcome.ended - outcome.started <= HANG_BOUND_S, outcome
+            if outcome.complete:
+                continue
+            error = outcome.error
+            assert error is not None, outcome
+            if outcome.started < killed_at:
+                # It was being served: an OpenAI-shaped 503 (body or SSE event), never a dropped connection.
+                assert error["code"] == 503 and "Traceback" not in error["message"], outcome
+            else:  # after the kill: the dying server's 503, or its closed port
+                assert error["code"] in (503, "transport"), outcome
+        print(f"kill -9 of the core: exited {exited_at - killed_at:.1f} s after, {load.summary()}, "
+              f"{len(in_flight)} in flight failed")
+    finally:
+        engine.stop()
 
 
 def test_kill_9_of_one_engine_under_load_fails_only_what_it_had_started(engines, start_gateway):

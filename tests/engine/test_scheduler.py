@@ -13,9 +13,9 @@ def _scheduler(num_blocks=64, steps=8, max_seqs=8, budget=64, block_size=4, poli
     return Scheduler(limits, BlockManager(num_blocks, block_size), clock=clock)
 
 
-def _request(name, prompt_len, max_tokens=32, n=1, arrival=0.0):
-    return Request(name, list(range(prompt_len)), SamplingParams(n=n, max_tokens=max_tokens), 512, seed=0,
-                   arrival_time=arrival)
+def _request(name, prompt_len, max_tokens=32, n=1, arrival=0.0, priority=0):
+    return Request(name, list(range(prompt_len)), SamplingParams(n=n, max_tokens=max_tokens, priority=priority),
+                   512, seed=0, arrival_time=arrival)
 
 
 def _finish_window(scheduler, plan, tokens=1):
@@ -98,6 +98,61 @@ def test_lof_puts_a_preempted_sequence_ahead_of_fresh_ones():
     plan = scheduler.schedule()  # blocks run short: "new" is preempted, and waits ahead of "longest"
     assert [r.seq.request.request_id for r in plan.rows] == ["old"] and scheduler.num_preemptions == 1
     assert [seq.request.request_id for seq in scheduler.waiting] == ["new", "longest"]
+
+
+def test_priority_admits_the_lowest_priority_value_first_then_by_arrival():
+    priorities = {"a": 5, "b": -3, "c": 0, "d": -3, "e": 2**63 - 1}
+    scheduler = _scheduler(max_seqs=3, policy="priority")
+    for arrival, (name, priority) in enumerate(priorities.items()):
+        scheduler.add_request(_request(name, 4, arrival=float(arrival), priority=priority))
+    plan = scheduler.schedule()
+    assert [r.seq.request.request_id for r in plan.rows] == ["b", "d", "c"]  # ties (b, d) by arrival
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["a", "e"]
+    # A later, more urgent request goes ahead of everything still waiting; fcfs ignores priorities.
+    scheduler.add_request(_request("urgent", 4, arrival=9.0, priority=-100))
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["urgent", "a", "e"]
+    fcfs = _scheduler(max_seqs=3, policy="fcfs")
+    for arrival, (name, priority) in enumerate(priorities.items()):
+        fcfs.add_request(_request(name, 4, arrival=float(arrival), priority=priority))
+    assert [r.seq.request.request_id for r in fcfs.schedule().rows] == ["a", "b", "c"]
+
+
+def test_priority_preempts_the_least_urgent_running_request_and_requeues_it_by_priority():
+    scheduler = _scheduler(num_blocks=9, steps=4, policy="priority")
+    # "urgent" arrives last: under fcfs it would be the one preempted.
+    scheduler.add_request(_request("relaxed", 12, arrival=0.0, priority=10))
+    scheduler.add_request(_request("urgent", 12, arrival=1.0, priority=-1))
+    plan = scheduler.schedule()
+    assert [r.seq.request.request_id for r in plan.rows] == ["urgent", "relaxed"]
+    scheduler.add_request(_request("middle", 4, arrival=2.0, priority=5))
+    _finish_window(scheduler, plan)
+    plan = scheduler.schedule()  # each needs a fifth block, one is free: "relaxed" goes
+    assert [r.seq.request.request_id for r in plan.rows] == ["urgent"] and scheduler.num_preemptions == 1
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["middle", "relaxed"]
+    assert scheduler.waiting[1].num_computed == 0 and scheduler.waiting[1].block_ids == []
+
+
+def test_priority_engine_serves_the_most_urgent_first_with_the_same_greedy_tokens(tiny):
+    from lockstep_engine.llm import LLM
+
+    prompts = [[3 + i, 40 + i, 200 + 7 * i] for i in range(4)]
+    priorities = [3, 1, 2, 0]
+    results = {}
+    for policy in ("fcfs", "priority"):
+        llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=4, max_num_seqs=1,
+                  scheduling_policy=policy)
+        engine, finished, tokens = llm.engine, [], {}
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, priority=q),
+                                  arrival_time=1.0 + i) for i, (p, q) in enumerate(zip(prompts, priorities))]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished.append(ids.index(out.request_id))
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        results[policy] = [tokens[i] for i in ids], finished
+    assert results["fcfs"][1] == [0, 1, 2, 3]
+    assert results["priority"][1] == [3, 1, 2, 0]  # one seat: served in priority order
+    assert results["priority"][0] == results["fcfs"][0]
 
 
 def _run_window(scheduler, plan):
@@ -252,3 +307,34 @@ def test_auto_window_is_not_cut_short_by_a_row_about_to_end():
     plan = scheduler.schedule()  # "a" has 1 token left, "b" 38
     assert plan.num_steps == 4
     assert {row.seq.request.request_id: row.max_steps for row in plan.rows} == {"a": 1, "b": 4}
+
+
+def test_priority_over_http_is_accepted_under_its_policy_and_a_bad_value_is_a_400_naming_it():
+    import sys
+    from pathlib import Path
+
+    import openai
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
+    from api_harness import Server
+
+    server = Server("random:tiny", "--scheduling-policy", "priority", "--num-gpu-blocks-override", "64",
+                    "--skip-warmup", name="priority")
+    try:
+        client = server.wait_healthy().client()
+        for priority in (-5, 0, 2**63 - 1):
+            done = client.completions.create(model="random:tiny", prompt=[1, 2, 3], max_tokens=3,
+                                             extra_body={"priority": priority, "ignore_eos": True})
+            assert done.choices[0].finish_reason == "length"
+        for bad in ("high", 1.5, 2**63, -(2**63) - 1):
+            try:
+                client.completions.create(model="random:tiny", prompt=[1, 2, 3], max_tokens=3,
+                                          extra_body={"priority": bad})
+            except openai.BadRequestError as error:
+                assert error.body["param"] == "priority", error.body
+                if isinstance(bad, int):  # past int64: the message gives the value and the range
+                    assert str(bad) in error.body["message"] and str(2**63 - 1) in error.body["message"]
+            else:
+                raise AssertionError(f"priority={bad!r} was accepted")
+    finally:
+        server.stop()

@@ -1,9 +1,11 @@
-"""Real processes on 127.0.0.1 for the gateway tests (fixtures in conftest.py): `lockstep serve random:tiny`
-engines and `lockstep gateway` processes, plus a small stdlib HTTP server for failures a real engine cannot
+"""Real processes on 127.0.0.1 for the gateway and chaos tests: `lockstep serve random:tiny` engines and
+`lockstep gateway` processes, what both suites' fixtures are made of (`running_engines`, `gateway_starter`;
+each conftest picks the scope and names), plus a small stdlib HTTP server for failures a real engine cannot
 produce on demand. Every wait polls with a deadline; nothing sleeps to synchronise."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -13,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -152,6 +154,45 @@ class Gateway(Process):
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+
+@contextlib.contextmanager
+def running_engines(names: list[str], log_dir: Path) -> Iterator[list[Engine]]:
+    """Real engines, started together and healthy; stopped on exit (a test that kills one starts it again)."""
+    engines = [Engine(name, log_dir) for name in names]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_healthy()
+        yield engines
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+@contextlib.contextmanager
+def gateway_starter(log_dir: Path) -> Iterator[Callable[..., Gateway]]:
+    """`start(*args, expect_healthy=, env_headers=)`: a gateway answering /health (and seeing exactly the
+    `expect_healthy` engines healthy; `env_headers` go with its own /gateway requests); every gateway
+    started is stopped on exit."""
+    started: list[Gateway] = []
+
+    def start(*args: str, expect_healthy: set[str] | None = None, env_headers: dict | None = None) -> Gateway:
+        gateway = Gateway(f"gateway-{len(started)}-{time.monotonic_ns()}", log_dir, list(args))
+        gateway.headers = env_headers or {}
+        gateway.start()
+        started.append(gateway)
+        wait_for("gateway /health", gateway.answers, timeout=30)
+        if expect_healthy is not None:
+            gateway.wait_engines(expect_healthy)
+        return gateway
+
+    try:
+        yield start
+    finally:
+        for gateway in started:
+            gateway.stop()
 
 
 # ---- a fake engine for failures on demand ------------------------------------------------------

@@ -135,12 +135,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, one per token id in an entry of `prompt_logprobs`."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One entry per prompt token (None for the first): token id (as a string) -> its logprob
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -186,6 +199,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ModelCard(BaseModel):

@@ -239,7 +239,7 @@ FLAGS: tuple[Flag, ...] = (
     _n("--max-long-partial-prefills", "one prompt is prefilled in chunks at a time", accepted=("1",)),
     _n("--long-prefill-token-threshold", "prompts are chunked by --max-num-batched-tokens only", accepted=("0",)),
     _n("--num-lookahead-slots", "KV slots for a whole window are reserved by the scheduler", accepted=("0",)),
-    _s("--scheduling-policy", "fcfs or lof (longest output first); vLLM's priority is refused by choices"),
+    _s("--scheduling-policy", "fcfs, priority (the request's priority field) or lof (longest output first)"),
     _s("--enable-chunked-prefill", "chunked prefill (default on)"),
     _n("--disable-chunked-mm-input", _TEXT_ONLY, "bool"),
     _r("--scheduler-cls", "the scheduler is built in"),

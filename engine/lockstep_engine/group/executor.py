@@ -26,7 +26,8 @@ from lockstep_engine.group.rendezvous import (DEFAULT_PORT, GroupError, check_la
 from lockstep_engine.model_config import ModelConfig
 from lockstep_engine.runner.model_runner import ModelRunner, resolve_device
 from lockstep_engine.runner.outputs import GuideFactory, StepOutput, WindowTimings
-from lockstep_engine.scheduler import WindowPlan
+from lockstep_engine.runner.step_inputs import sampling_arrays
+from lockstep_engine.scheduler import ScheduledSeq, WindowPlan
 from lockstep_engine.sources import resolve
 
 
@@ -38,6 +39,8 @@ class Executor(Protocol):
     num_blocks: int  # KV blocks every rank holds
     micro_batches: int  # micro-batches in flight per window (pipeline stages), 1 without PP
     guide_factory: GuideFactory | None  # grammar masks for guided rows; None: guided decoding unavailable
+
+    def prepare(self, row: ScheduledSeq) -> None: ...  # raises for this row's request alone (see LocalExecutor)
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
                        continuing: bool = False) -> WindowTimings: ...
@@ -68,6 +71,23 @@ class LocalExecutor:
     @guide_factory.setter
     def guide_factory(self, factory: GuideFactory | None) -> None:
         self.runner.guide_factory = factory
+
+    def prepare(self, row: ScheduledSeq) -> None:
+        """Builds a sequence's own window state once, before its first window: its sampling constants
+        and arrays, its grammar matcher. What one request's state cannot represent (an integer past
+        int64, a logit_bias token outside the vocabulary, a grammar that fails) then raises here, for
+        that request, instead of inside a window every row shares, after the plan went to the group,
+        or as a device-side assert on CUDA that no request survives."""
+        params, vocab = row.seq.request.params, self.model_config.vocab_size
+        outside = [token for token in params.logit_bias or () if not 0 <= token < vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
+        runner = self.runner
+        sampling_arrays([row], runner.steps.sampling_cache)
+        if params.guided_spec is not None and runner.state.is_last_stage:
+            if runner.guide_factory is None:
+                raise ValueError("response_format: guided decoding is not available in this engine")
+            runner.guide_factory([row])
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
                        continuing: bool = False) -> WindowTimings:

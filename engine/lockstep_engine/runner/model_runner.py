@@ -251,6 +251,8 @@ class ModelRunner:
             return self._replay_window(graph, plan.num_steps, rows_n, on_step, timings)
         clock.start(StepTag(1, first_step_phase(plan), rows_n))
         hidden = steps.forward(first.input_ids, first.positions, first.meta)
+        if first.prompt is not None and hidden is not None:  # before any token of the window
+            on_step(StepOutput(1, [], prompt_logprobs=steps.prompt_logprobs(hidden, first)))
         if not sampling_rows:
             clock.end()
             timings.num_steps = 1

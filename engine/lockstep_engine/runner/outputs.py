@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from lockstep.protocol import TokenLogprobs
+
 
 # Why a row's sequence ended at this step, as the device decided it (`Steps.advance`); the host
 # applies it and only adds what the device cannot see (stop strings, aborts).
@@ -28,6 +30,29 @@ class StepOutput:
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Step 1 of a window whose rows asked for prompt logprobs hands them over first, in an output of
+    # their own (no tokens), before any token of the window: plan row index -> its chunk's logprobs.
+    prompt_logprobs: dict[int, "PromptLogprobs"] | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of the prompt tokens one row's step-1 chunk predicts: entry j is of prompt token
+    `start + j + 1`, from the logits at position `start + j`. The top lists hold the largest k of
+    the window's rows; each request keeps its own k."""
+
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def extend(self, request) -> None:
+        """Appends the entries `request.prompt_logprobs` lacks (a recomputed prompt brings them again)."""
+        known, k, prompt = request.prompt_logprobs, request.params.prompt_logprobs, request.prompt_token_ids
+        for j in range(max(len(known) - self.start, 0), len(self.logprobs)):
+            top = list(zip(self.top_ids[j][:k], self.top_logprobs[j][:k]))
+            known.append(TokenLogprobs(prompt[self.start + j + 1], self.logprobs[j], self.ranks[j], top))
 
 
 @dataclass(frozen=True)

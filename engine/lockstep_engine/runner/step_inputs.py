@@ -112,6 +112,42 @@ def first_step_arrays(rows, block_size: int, sink_block: int) -> dict[str, np.nd
     }
 
 
+class PromptRows(NamedTuple):
+    """Step-1 tokens whose logits give prompt logprobs, and the rows they belong to."""
+
+    rows: list[tuple[int, int, int]]  # (plan row index, first position, number of positions)
+    k: int  # the largest prompt_logprobs of those rows
+    arrays: dict[str, np.ndarray]  # prompt_index: flattened token index; prompt_targets: the token it predicts
+
+
+def prompt_logprob_rows(rows, query_start: np.ndarray, sample_sel: np.ndarray) -> PromptRows | None:
+    """The step-1 positions of rows that asked for prompt logprobs: each position of the row's chunk
+    before the prompt's last token (whose logits sample the first output). A sequence that already has
+    outputs (recomputed after a preemption) delivered its prompt logprobs before."""
+    # Only prompt chunks can predict prompt tokens: a sampling row of one token is a decode (or the
+    # prompt's last token), so the mixed windows' decode rows are skipped without a look at their request.
+    chunk = np.ones(len(rows), bool)
+    chunk[sample_sel] = False
+    chunk |= np.diff(query_start) > 1
+    picked, k = [], 0
+    for index in np.flatnonzero(chunk).tolist():
+        row = rows[index]
+        seq = row.seq
+        want = seq.request.params.prompt_logprobs
+        if want is None:
+            continue
+        end = min(row.start_computed + row.num_new_tokens, seq.prompt_len - 1)
+        if row.start_computed < end and len(seq.token_ids) == seq.prompt_len:
+            picked.append((index, row.start_computed, end - row.start_computed))
+            k = max(k, want)
+    if not picked:
+        return None
+    flat = np.concatenate([query_start[index] + np.arange(count) for index, _, count in picked])
+    targets = np.fromiter(chain.from_iterable(rows[index].seq.token_ids[start + 1:start + 1 + count]
+                                              for index, start, count in picked), np.int64, flat.size)
+    return PromptRows(picked, k, {"prompt_index": flat, "prompt_targets": targets})
+
+
 class RowSampling(NamedTuple):
     """What a sequence's sampling rows carry, fixed for the sequence's lifetime."""
 

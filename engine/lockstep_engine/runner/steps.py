@@ -16,11 +16,16 @@ import torch
 
 from lockstep_engine.attention import AttentionMetadata
 from lockstep_engine.parallel import ParallelState, broadcast_from_sampler, pp_isend, pp_recv, pp_send
-from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_NONE, FINISH_STOP
-from lockstep_engine.runner.step_inputs import (SamplingCache, first_step_arrays, output_counts, sampling_arrays,
-                                                sampling_tensors, to_device)
+from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, PromptLogprobs
+from lockstep_engine.runner.step_inputs import (SamplingCache, first_step_arrays, output_counts, prompt_logprob_rows,
+                                                sampling_arrays, sampling_tensors, to_device)
 from lockstep_engine.runner.window_state import DecodeState, FirstStep
 from lockstep_engine.sampler import SampleOutput, Sampler, SamplingTensors
+
+
+# Prompt positions per lm_head call: bounds the [positions, vocab] float32 logits of a long prompt to
+# what the memory profile reserves for the sampling rows at the default max_num_seqs (256).
+PROMPT_LOGITS_CHUNK = 256
 
 
 class Steps:
@@ -67,6 +72,26 @@ class Steps:
             return None
         return self.sample_local(hidden[first.sample_index], first.sampling, first.num_generated, first.counts,
                                  guide)
+
+    def prompt_logprobs(self, hidden, first: FirstStep) -> dict[int, PromptLogprobs]:
+        """Logprobs of the prompt tokens step 1 predicts, for the rows that asked for them (on the last
+        stage, whose `hidden` holds every token of the step): the logits of those positions only."""
+        prompt, k = first.prompt, first.prompt.k
+        parts = []
+        for start in range(0, first.prompt_index.shape[0], PROMPT_LOGITS_CHUNK):
+            index = first.prompt_index[start:start + PROMPT_LOGITS_CHUNK]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+            chosen = logprobs.gather(1, first.prompt_targets[start:start + PROMPT_LOGITS_CHUNK].unsqueeze(1))
+            top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+            parts.append((chosen.squeeze(1), (logprobs > chosen).sum(dim=-1) + 1, top_ids, top_logprobs))
+        chosen, ranks, top_ids, top_logprobs = (torch.cat(column).tolist() for column in zip(*parts))
+        out, offset = {}, 0
+        for row, position, count in prompt.rows:
+            end = offset + count
+            out[row] = PromptLogprobs(position, chosen[offset:end], ranks[offset:end], top_ids[offset:end],
+                                      top_logprobs[offset:end])
+            offset = end
+        return out
 
     def share_samples(self, out: SampleOutput | None, t: SamplingTensors, rows: int) -> SampleOutput:
         """With pipeline stages the last stage's samples go to every rank (`out` is None elsewhere)."""
@@ -134,6 +159,12 @@ class Steps:
         """Step 1 of a window: every row's scheduled tokens, flattened, and its sampling rows."""
         host = first_step_arrays(rows, self.block_size, self.num_blocks)
         sampling_rows = [row for row in rows if row.samples]
+        decode_only = host["input_ids"].size == len(rows)
+        # A decode row predicts no prompt token: windows of sampling decode rows only look no further.
+        prompt = None if decode_only and len(sampling_rows) == len(rows) else prompt_logprob_rows(
+            rows, host["query_start"], host["sample_sel"])
+        if prompt is not None:
+            host |= prompt.arrays
         sampling = sampling_arrays(sampling_rows, self.sampling_cache) if sampling_rows else None
         views = to_device(host | sampling.arrays if sampling else host, self.device)
         vocab = self.vocab_size
@@ -142,7 +173,6 @@ class Steps:
             t = sampling_tensors(sampling, views, len(sampling_rows), vocab, self.device)
             if sampling.penalties:
                 counts = output_counts(views, len(sampling_rows), vocab, self.device)
-        decode_only = host["input_ids"].size == len(rows)
         seq_lens = host["seq_lens"]
         meta = AttentionMetadata(
             slot_mapping=views["slots"], block_tables=views["block_table"], seq_lens=views["seq_lens"],
@@ -154,7 +184,8 @@ class Steps:
             seq_lens=views["seq_lens"], sample_index=views["sample_index"], sample_sel=views["sample_sel"],
             sampling_rows=sampling_rows, sampling=t, counts=counts, num_generated=views["num_generated"],
             max_steps=views["max_steps"], budget=views["budget"],
-            max_dec_len=int(seq_lens[host["sample_sel"]].max(initial=0)))
+            max_dec_len=int(seq_lens[host["sample_sel"]].max(initial=0)),
+            prompt=prompt, prompt_index=views.get("prompt_index"), prompt_targets=views.get("prompt_targets"))
 
     def decode_state(self, first: FirstStep, out: SampleOutput) -> DecodeState:
         """Device state of the decode steps after step 1, with step 1's samples fed back."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from lockstep_engine.attention import AttentionMetadata
+from lockstep_engine.runner.step_inputs import PromptRows
 from lockstep_engine.sampler import SamplingTensors
 from lockstep_engine.scheduler import WindowPlan
 
@@ -47,6 +48,9 @@ class FirstStep:
     max_steps: torch.Tensor  # [sampling rows] tokens each may sample in the window
     budget: torch.Tensor  # [sampling rows] tokens each may sample before max_tokens / max_model_len
     max_dec_len: int  # longest sampling row after step 1
+    prompt: PromptRows | None = None  # rows that asked for prompt logprobs, and their positions
+    prompt_index: torch.Tensor | None = None  # [positions] flattened token index (`PromptRows`)
+    prompt_targets: torch.Tensor | None = None  # [positions] the prompt token each position predicts
 
 
 def has_guided_rows(rows) -> bool:
