@@ -135,13 +135,17 @@ def scrape(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    values = {"busy": 0.0, "idle": 0.0, "boundary_buckets": {}}
+    values = {"busy": 0.0, "idle": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0, "boundary_buckets": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "lockstep_gpu_busy_seconds_total":
                 values["busy"] += sample.value
             elif sample.name == "lockstep_gpu_idle_seconds_total":
                 values["idle"] += sample.value
+            elif sample.name == "lockstep_prefix_cache_hits_total":
+                values["prefix_hits"] += sample.value
+            elif sample.name == "lockstep_prefix_cache_queries_total":
+                values["prefix_queries"] += sample.value
             elif sample.name == f"{GAP}_bucket" and sample.labels.get("boundary") == "window_start":
                 le = float(sample.labels["le"])
                 values["boundary_buckets"][le] = values["boundary_buckets"].get(le, 0.0) + sample.value
@@ -198,6 +202,7 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
     busy, idle = after["busy"] - before["busy"], after["idle"] - before["idle"]
     itl_max = max((gap for gaps in result["itls"] for gap in gaps), default=0.0)
     median_gap = histogram_median(before["boundary_buckets"], after["boundary_buckets"])
+    queries = after["prefix_queries"] - before["prefix_queries"]
     row = {
         "label": label, "requests": result["completed"], "failed": result["failed"], "rate": rate,
         "duration_s": result["duration"], "req_per_s": result["request_throughput"],
@@ -209,6 +214,7 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
         "idle_fraction": 1 - busy / result["duration"] if result["duration"] else None,
         "gap_share_of_busy_time": idle / (busy + idle) if busy + idle else None,
         "median_boundary_gap_us": None if median_gap is None else 1e6 * median_gap,
+        "prefix_cache_hit_share": (after["prefix_hits"] - before["prefix_hits"]) / queries if queries else None,
         "client_cpu_s": usage, "client_wall_s": wall, "client_cpu_share": usage / wall if wall else None,
         "kernels_compiled_during_run": kernels_after - kernels_before,
     }
@@ -219,6 +225,13 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
 def _parse_settings(specs: list[str]) -> list[tuple[str, list[str]]]:
     """"NAME=FLAGS" strings as (name, flags)."""
     return [(spec.split("=", 1)[0], spec.split("=", 1)[1].split()) for spec in specs]
+
+
+def _sweep_vocab(first_vocab: int, index: int) -> int:
+    """The prompt-id bound of a server's index-th Poisson run. The workload is prefix-stable (n requests
+    are the first n of n + 1), so with one bound a run would find its predecessors' prompts in the prefix
+    cache; another bound gives other ids for the same lengths."""
+    return first_vocab - 7 * (index + 1)
 
 
 def _slug(label: str) -> str:
@@ -384,12 +397,13 @@ def main() -> int:
         sweeps, N=1's rate inf last; a --settings or --extra-settings variant runs rate inf once."""
         if args.poisson_settings:
             counts = [max(1, round(rate * args.arrival_s)) for rate in args.rates]
-            return [(f"{name} @{rate:g} ({count})", rate, count, first_vocab)
-                    for rate, count in zip(args.rates, counts)]
+            return [(f"{name} @{rate:g} ({count})", rate, count, _sweep_vocab(first_vocab, index))
+                    for index, (rate, count) in enumerate(zip(args.rates, counts))]
         inf = [(f"{name} @inf", math.inf, args.num_prompts, first_vocab)]
         if name in inf_only:
             return inf
-        sweep = [(f"{name} @{rate:g}", rate, args.sweep_prompts, first_vocab) for rate in args.rates]
+        sweep = [(f"{name} @{rate:g}", rate, args.sweep_prompts, _sweep_vocab(first_vocab, index))
+                 for index, rate in enumerate(args.rates)]
         if name == "default":
             return inf + [(f"{name} @inf, warm", math.inf, args.num_prompts, warm_vocab)] + sweep
         return sweep + inf
