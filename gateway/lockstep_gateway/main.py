@@ -105,8 +105,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host, port=args.port, log_level=args.log_level,
         engines=tuple(args.engine), config_file=args.config_file,
-        kubernetes_namespaces=tuple(ns.strip() for item in args.kubernetes_namespace for ns in item.split(",")
-                                    if ns.strip()),
+        kubernetes_namespaces=comma_separated(*args.kubernetes_namespace),
         kubernetes_all_namespaces=args.kubernetes_all_namespaces,
         kubernetes_label_selector=args.kubernetes_label_selector, kubeconfig=args.kubeconfig,
         routing=args.routing, session_header=args.session_header, session_affinity=args.session_affinity,
@@ -120,11 +119,16 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         retry_budget_ratio=args.retry_budget_ratio, retry_budget_min=args.retry_budget_min,
         engine_api_key=engine_key(args.engine_api_key_file),
         max_in_flight=args.max_in_flight, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-        trusted_proxies=tuple(p.strip() for p in args.trusted_proxies.split(",") if p.strip()),
+        trusted_proxies=comma_separated(args.trusted_proxies),
         api_key_files=tuple(args.api_key_file), rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_request_body_bytes,
         cors_allowed_origins=tuple(args.cors_allowed_origin),
     )
+
+
+def comma_separated(*values: str) -> tuple[str, ...]:
+    """The items of flags that take comma-separated lists (and may be repeated), blanks dropped."""
+    return tuple(item.strip() for value in values for item in value.split(",") if item.strip())
 
 
 def engine_key(path: str | None, environ=os.environ) -> str | None:

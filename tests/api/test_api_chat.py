@@ -2,6 +2,7 @@
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 
@@ -99,3 +100,28 @@ def test_json_object_response_format(smol8):
     choice = response.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_a_top_level_chat_template_is_rendered_when_trusted(servers):
+    """vLLM's `chat_template` request field: with --trust-request-chat-template it is the template used
+    (the prompt's token count is that of its rendering), and `chat_template_kwargs` wins over it."""
+    server = servers("smoltools")
+    template = "{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% endfor %}"
+    response = server.client().chat.completions.create(
+        model="smollm2", messages=MESSAGES, max_tokens=2, temperature=0,
+        extra_body={"chat_template": template, "add_generation_prompt": False})
+
+    def count(text: str) -> int:
+        return httpx.post(f"{server.url}/tokenize", timeout=30,
+                          json={"prompt": text, "add_special_tokens": False}).json()["count"]
+
+    assert response.usage.prompt_tokens == count("<<user|What is 2+2?>>")
+    overridden = server.client().chat.completions.create(
+        model="smollm2", messages=MESSAGES, max_tokens=2, temperature=0,
+        extra_body={"chat_template": template, "chat_template_kwargs": {"chat_template": "[{{ messages[0].content }}]"},
+                    "add_generation_prompt": False})
+    assert overridden.usage.prompt_tokens == count("[What is 2+2?]")
+    refused = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                         json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 2, "chat_template": 5})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "chat_template"

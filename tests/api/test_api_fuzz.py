@@ -1,25 +1,29 @@
 """Schema-driven fuzzing: schemathesis generates requests from the server's own OpenAPI document
-(valid and invalid ones, boundary values) and no response may be a 5xx."""
+(valid and invalid ones, boundary values) and no response may be a 5xx. The issue's acceptance asks
+for at least 5,000 generated requests; schema_fuzz.py says how 150 s reach that on two cores."""
 
-import shutil
-import subprocess
-import sys
-
+import httpx
 import pytest
+from api_harness import Server
+from schema_fuzz import run_fuzz
 
-FUZZ_SECONDS = 150  # schemathesis stops at this or at MAX_EXAMPLES per operation, whichever comes first
-MAX_EXAMPLES = 450  # x ~12 operations: up to about 5,000 generated requests
+MIN_GENERATED = 5000
+FUZZ_SECONDS = 150
 
 
-def test_schemathesis_finds_no_server_error(smol1, tmp_path):
-    # smol1 has a 128-token context, so every accepted generation is short.
-    command = [shutil.which("schemathesis") or "schemathesis", "run", f"{smol1.url}/openapi.json",
-               "--checks", "not_a_server_error", "--phases", "coverage,fuzzing", "--max-examples", str(MAX_EXAMPLES),
-               "--max-time", str(FUZZ_SECONDS), "--seed", "1", "--workers", "1", "--request-timeout", "60",
-               "--no-color"]
-    if shutil.which("schemathesis") is None:
-        pytest.fail(f"schemathesis is not installed for {sys.executable} (pip install -e .[dev])")
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=FUZZ_SECONDS + 180)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout
-    print(result.stdout[-1500:])  # the summary: test cases generated and responses seen
+@pytest.fixture(scope="module")
+def fuzz_server():
+    # random:tiny with a 64-token context: every accepted generation is short and cheap.
+    server = Server("random:tiny", "--max-model-len", "64", "--num-gpu-blocks-override", "256", name="fuzz")
+    yield server.wait_healthy()
+    server.stop()
+
+
+def test_schemathesis_finds_no_server_error(fuzz_server):
+    generated, seconds, summary = run_fuzz(f"{fuzz_server.url}/openapi.json", seed=1, seconds=FUZZ_SECONDS)
+    print(f"schema fuzz: {generated} generated requests against the engine in {seconds:.0f} s, no 5xx\n{summary}")
+    assert generated >= MIN_GENERATED, summary
+    assert fuzz_server.process.poll() is None
+    served = httpx.post(f"{fuzz_server.url}/v1/completions", json={"model": "random:tiny", "prompt": [1], "max_tokens": 2},
+                        timeout=30)
+    assert served.status_code == 200, served.text

@@ -4,6 +4,7 @@ bounds (queue, header and body read time) and secrets (key files, query-string k
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -128,11 +129,30 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(smol8):
             latencies.append(time.monotonic() - started)
             time.sleep(0.05)
     sender.join(300)
-    assert_400(result["response"], "prompt")  # far past max_model_len, once tokenized
-    print(f"10 MB prompt answered in {result['seconds']:.2f} s; /health max {max(latencies) * 1000:.0f} ms, "
-          f"{len(latencies)} probes")
+    error = assert_400(result["response"], "prompt")  # far past max_model_len, once tokenized
+    tokens = int(re.search(r"<(\d+) tokens>", error["message"]).group(1))  # the count, from the worker process
+    assert tokens > 1_000_000 and "max_model_len=1024" in error["message"], error["message"]
+    latencies.sort()
+    print(f"10 MB prompt answered in {result['seconds']:.2f} s; /health p50 {latencies[len(latencies) // 2] * 1000:.0f} "
+          f"ms, max {latencies[-1] * 1000:.0f} ms, {len(latencies)} probes")
     assert len(latencies) >= 3, "the prompt was handled too fast to observe /health meanwhile"
-    assert max(latencies) < 1.0, f"/health took {max(latencies):.2f} s while a prompt was tokenized"
+    # The bound leaves room for other test runs on two shared cores (docs/RELIABILITY.md has the figures).
+    assert latencies[-1] < 1.0, f"/health took {latencies[-1]:.2f} s while a prompt was tokenized"
+
+
+def test_the_large_text_worker_encodes_as_the_tokenizer_does():
+    from lockstep_engine.api.large_text import LARGE_TEXT_CHARS, LargeTextEncoder
+    from lockstep_engine.sources import resolve
+
+    tokenizer = resolve("smollm2").load_tokenizer()
+    encoder = LargeTextEncoder(tokenizer)
+    try:
+        text = "Ünïcode, code `x = 1`, numbers 12345 and\n\ttabs. " * (LARGE_TEXT_CHARS // 40)
+        assert len(text) >= LARGE_TEXT_CHARS
+        for add_special in (True, False):
+            assert encoder.encode(text, add_special).tolist() == tokenizer.encode(text, add_special_tokens=add_special)
+    finally:
+        encoder.shutdown()
 
 
 # ---- a dedicated server: bounds and secrets --------------------------------------------------------

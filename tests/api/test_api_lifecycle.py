@@ -65,6 +65,7 @@ def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_0(own_server
     wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 503, 10, what="/health 503")
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+    assert refused.headers["x-lockstep-retryable"] == "1"  # refused unstarted: a gateway may try another engine
 
     for thread in threads:
         thread.join(120)

@@ -326,3 +326,27 @@ def _engine_gauge(engine: Engine, name: str) -> float:
         if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not exported")
+
+
+def test_a_real_engine_at_its_queue_limit_refuses_retryable_and_the_gateway_retries_elsewhere(log_dir, engines,
+                                                                                              start_gateway):
+    busy = Engine("busy-engine", log_dir)
+    busy.argv += ["--max-num-seqs", "1", "--max-queued-requests", "0"]  # room for one request in flight
+    busy.start()
+    try:
+        busy.wait_healthy()
+        two_prompts = {"model": MODEL, "prompt": [[1], [2]], "max_tokens": 1}  # two requests: past its limit
+        refused = httpx.post(busy.url + "/v1/completions", json=two_prompts, timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["x-lockstep-retryable"] == "1" and refused.headers["retry-after"] == "1"
+        gateway = start_gateway(f"--engine={busy.url}", f"--engine={engines[0].url}", "--routing=round-robin",
+                                expect_healthy={busy.url, engines[0].url})
+        responses = _posts(gateway, body=two_prompts)
+        assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+        assert all(len(r.json()["choices"]) == 2 for r in responses)
+        retried = gateway.metric("lockstep_gateway_retries_total", reason="status 503")
+        assert retried >= 1  # round robin sent some of them to the busy engine first
+        assert gateway.metric("lockstep_gateway_upstream_requests_total", engine=busy.url, outcome="retried") == retried
+        assert gateway.metric("lockstep_gateway_upstream_requests_total", engine=busy.url, outcome="ok") == 0
+    finally:
+        busy.stop()

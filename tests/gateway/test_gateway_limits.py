@@ -133,4 +133,7 @@ def test_gateway_config_refuses_bad_values_by_flag_name():
         parse_args([])  # no discovery at all
     config = parse_args(["--kubernetes-namespace=ns1", "--kubernetes-namespace=ns2", "--rate-limit-rpm=5"])
     assert config.kubernetes_namespaces == ("ns1", "ns2") and config.rate_limit_rpm == 5
+    lists = parse_args(["--kubernetes-namespace=a, b", "--kubernetes-namespace=c,", "--engine=http://127.0.0.1:1",
+                        "--trusted-proxies=10.0.0.0/8, ,127.0.0.1/32"])
+    assert lists.kubernetes_namespaces == ("a", "b", "c") and lists.trusted_proxies == ("10.0.0.0/8", "127.0.0.1/32")
     assert "sk-secret" not in repr(GatewayConfig(api_keys=("sk-secret",)))

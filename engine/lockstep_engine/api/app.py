@@ -24,9 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 import lockstep
-from lockstep_engine.api import metrics
+from lockstep_engine.api import metrics, responses
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
-from lockstep_engine.api.errors import APIError, error_body, error_response
+from lockstep_engine.api.errors import APIError, error_body, error_response, refused_unstarted
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -46,7 +46,7 @@ from lockstep_engine.config import EngineConfig
 from lockstep_engine.log import log
 from lockstep_engine.model_config import ModelConfig
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
@@ -125,6 +125,8 @@ class ServerState:
             self._loader.cancel()
         if self.collector is not None:
             metrics.unregister(self.collector)
+        if self.serving is not None and self.serving.large_text is not None:
+            self.serving.large_text.shutdown()
         if self.client is not None:
             await self.client.shutdown()
 
@@ -143,7 +145,7 @@ class ServerState:
     def require_serving(self) -> OpenAIServing:
         reason = self.unavailable_reason()
         if reason is not None:
-            raise APIError(503, reason)
+            raise refused_unstarted(reason)
         return self.serving
 
     # ---- shutdown ---------------------------------------------------------------------------
@@ -410,6 +412,8 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await state.require_serving().create_chat_completion(body, request)
+
+    responses.register(app, state, _ERROR_RESPONSES)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):

@@ -246,7 +246,8 @@ class EngineCoreClient:
         elif isinstance(message, p.RequestFailed):
             generation = self._generations.get(message.request_id)
             if generation is not None:
-                generation.error = RequestRejected(message.message, message.param)
+                generation.error = (RuntimeError(message.message) if message.internal
+                                    else RequestRejected(message.message, message.param))
                 generation.updated.set()
                 self.abort(generation)
         elif isinstance(message, p.CoreReady):

@@ -26,6 +26,11 @@ ERROR_TYPES = {
 }
 
 
+# On a 503 the engine sends before it accepted the request (busy, loading, draining, no core): the
+# gateway may replay such a request on another engine, and only such a one (gateway/lockstep_gateway/proxy.py).
+RETRYABLE = {"X-Lockstep-Retryable": "1"}
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -42,6 +47,11 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def refused_unstarted(message: str, retry_after: bool = False) -> APIError:
+    """A 503 for a request the engine did not accept: safe to try on another engine."""
+    return APIError(503, message, headers={**RETRYABLE, **({"Retry-After": "1"} if retry_after else {})})
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -20,7 +20,8 @@ from lockstep.protocol import TokenLogprobs
 from lockstep_engine.api import extras, metrics, structured, tools
 from lockstep_engine.api.client import EngineBusyError, EngineCoreClient, EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.sse import SSE_DONE, SSE_HEADERS, ClientGone, message_text, sse, usage, watch_disconnect
-from lockstep_engine.api.errors import APIError, bad_request, error_body
+from lockstep_engine.api.errors import APIError, bad_request, error_body, refused_unstarted
+from lockstep_engine.api.large_text import LARGE_TEXT_CHARS, LargeTextEncoder
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -53,6 +54,7 @@ class _Job:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     text_offsets: dict = field(default_factory=dict)  # streamed logprobs: (prompt, sample) -> next token's offset
     echoed: set = field(default_factory=set)
+    render: Callable[[int], str] | None = None  # token names in logprobs (extras.token_renderer)
 
 
 class OpenAIServing:
@@ -62,6 +64,7 @@ class OpenAIServing:
         self.config = config  # EngineConfig resolved against the model's limits
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.large_text = LargeTextEncoder(tokenizer) if LargeTextEncoder.supports(tokenizer) else None
         self.served_model_names = served_model_names
         self.idle_timeout_s = idle_timeout_s
         self._token_strs: dict[int, str] = {}
@@ -97,12 +100,26 @@ class OpenAIServing:
         raise bad_request(f"{param}: a chat template in the request is refused; start the server with "
                           f"--trust-request-chat-template to allow it", param)
 
+    def request_template_kwargs(self, body) -> dict:
+        """What the chat template renders with: vLLM's top-level `chat_template` (refused unless trusted),
+        then `chat_template_kwargs` and the tools, which win over it as in vLLM."""
+        self.check_request_template(body)
+        template = getattr(body, "chat_template", None)
+        if template is None:
+            return tools.template_kwargs(body)
+        if not isinstance(template, str) or not template:
+            raise bad_request(f"chat_template: expected a non-empty Jinja template string, got "
+                              f"{type(template).__name__}", "chat_template")
+        return {"chat_template": template, **tools.template_kwargs(body)}
+
     # ---- inputs -----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         if self.tokenizer is None:
             raise bad_request(f"{param}: model {self.model_name!r} has no tokenizer; send token ids instead of text",
                               param)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if len(text) < LARGE_TEXT_CHARS or self.large_text is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return self.large_text.encode_prompt(text, add_special_tokens, self.config, self.model_config, param)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -166,10 +183,11 @@ class OpenAIServing:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=self.defaults.value("repetition_penalty", body.repetition_penalty, 1.0),
             logprobs=logprobs,
+            prompt_logprobs=extras.prompt_logprobs(body),
             ignore_eos=bool(body.ignore_eos),
             logit_bias=logit_bias,
             skip_special_tokens=body.skip_special_tokens is not False,
-            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            include_stop_str_in_output=bool(body.include_stop_str_in_output), priority=body.priority or 0,
             guided=structured.guided_spec(body, self.json_schema(body), self.client.ready),
         )
         try:
@@ -212,9 +230,9 @@ class OpenAIServing:
         try:
             return response_id, self.client.submit(request_ids, prompts, params, texts)
         except EngineBusyError as error:
-            raise APIError(503, str(error), headers={"Retry-After": "1"}) from None
+            raise refused_unstarted(str(error), retry_after=True) from None
         except EngineDeadError as error:
-            raise APIError(503, str(error)) from None
+            raise refused_unstarted(str(error)) from None
 
     # ---- /v1/completions ----------------------------------------------------------------------
     def completion_prompts(self, body: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
@@ -241,8 +259,6 @@ class OpenAIServing:
             raise bad_request("suffix: fill-in-the-middle is not supported", "suffix")
         if body.best_of is not None and body.best_of > 1:
             raise bad_request("best_of: only best_of=1 is supported", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
         # Tokenizing a large prompt takes seconds: off the event loop, so /health and streams go on.
         prompts, texts = await asyncio.to_thread(self.completion_prompts, body)
         params = self.sampling_params(body, body.max_tokens, body.logprobs)
@@ -251,7 +267,7 @@ class OpenAIServing:
         job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation,
                    [t if t is not None else self.decode(ids) for t, ids in zip(texts, prompts)] if body.echo else [],
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs, bool(body.echo))
-        job.continuous_usage = extras.continuous_usage(body)
+        job.continuous_usage, job.render = extras.continuous_usage(body), extras.token_renderer(body, self.token_str)
         if body.stream:
             return StreamingResponse(self._stream(job, self._completion_chunks), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
@@ -260,9 +276,11 @@ class OpenAIServing:
         for p_index, state in enumerate(generation.states):
             for seq in state.sequences:
                 text = (job.prompt_texts[p_index] if job.echo else "") + seq.text
-                logprobs = self._completion_logprobs(seq.logprobs, 0) if job.num_logprobs is not None else None
+                entries = extras.echoed(state, seq.logprobs) if job.echo else seq.logprobs
+                logprobs = self._completion_logprobs(entries, 0, job.render) if job.num_logprobs is not None else None
                 choices.append({"index": p_index * job.n + seq.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
+                                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+                                "prompt_logprobs": extras.prompt_logprobs_field(state, self.token_str)})
         return JSONResponse({"id": response_id, "object": "text_completion", "created": job.created,
                              "model": job.model, "choices": choices, "usage": usage(generation)})
 
@@ -278,10 +296,11 @@ class OpenAIServing:
                 if job.echo and key not in job.echoed:
                     job.echoed.add(key)
                     text = job.prompt_texts[p_index] + text
+                    new_logprobs = extras.echoed(state, new_logprobs)
                 logprobs = None
                 if job.num_logprobs is not None:
                     # Each token's start offset, as non-streamed responses give it.
-                    logprobs = self._completion_logprobs(new_logprobs, job.text_offsets.get(key, 0))
+                    logprobs = self._completion_logprobs(new_logprobs, job.text_offsets.get(key, 0), job.render)
                     job.text_offsets[key] = job.text_offsets.get(key, 0) + sum(map(len, logprobs["tokens"]))
                 chunks.append({"id": job.response_id, "object": "text_completion", "created": job.created,
                                "model": job.model,
@@ -290,14 +309,14 @@ class OpenAIServing:
                                             "stop_reason": seq.stop_reason if finishing else None}]})
         return chunks
 
-    def _completion_logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> dict:
+    def _completion_logprobs(self, entries: list[TokenLogprobs], text_offset: int, render) -> dict:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for entry in entries:
-            text = self.token_str(entry.token_id)
+            text = render(entry.token_id)
             tokens.append(text)
             token_logprobs.append(entry.logprob)
-            top = {self.token_str(token): logprob for token, logprob in entry.top}
-            top.setdefault(text, entry.logprob)
+            # The token first, as vLLM orders them; None: an echoed first prompt token (extras.echoed)
+            top = None if entry.top is None else {text: entry.logprob} | {render(t): lp for t, lp in entry.top}
             top_logprobs.append(top)
             offsets.append(text_offset)
             text_offset += len(text)
@@ -310,9 +329,8 @@ class OpenAIServing:
         tool_call = tools.ToolCalling.of(body, self.tool_call_parser)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        self.check_request_template(body)
         prompt = await asyncio.to_thread(self.chat_prompt, body.messages, body.add_generation_prompt is not False,
-                                         bool(body.continue_final_message), tools.template_kwargs(body))
+                                         bool(body.continue_final_message), self.request_template_kwargs(body))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, logprobs)
@@ -321,21 +339,22 @@ class OpenAIServing:
         job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation, [],
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs,
                    chunk_object="chat.completion.chunk", tool_call=tool_call)
-        job.continuous_usage = extras.continuous_usage(body)
+        job.continuous_usage, job.render = extras.continuous_usage(body), extras.token_renderer(body, self.token_str)
         if body.stream:
             return StreamingResponse(self._stream(job, self._chat_chunks, self._chat_role_chunks(job)),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         await self._wait_finished(job, request)
         choices = []
         for seq in generation.states[0].sequences:
-            logprobs = {"content": self._chat_logprobs(seq.logprobs)} if job.num_logprobs is not None else None
+            logprobs = {"content": self._chat_logprobs(seq.logprobs, job)} if job.num_logprobs is not None else None
             message, finish_reason = tools.message(tool_call, seq.text, seq.finish_reason)
             message["role"] = self.defaults.response_role
             choices.append({"index": seq.index, "message": message,
                             "logprobs": logprobs, "finish_reason": finish_reason,
                             "stop_reason": seq.stop_reason})
         return JSONResponse({"id": response_id, "object": "chat.completion", "created": job.created,
-                             "model": job.model, "choices": choices, "usage": usage(generation)})
+                             "model": job.model, "choices": choices, "usage": usage(generation),
+                             "prompt_logprobs": extras.prompt_logprobs_field(generation.states[0], self.token_str)})
 
     def _chat_chunk(self, job: _Job, index: int, delta: dict, logprobs=None, finish_reason=None,
                     stop_reason=None) -> dict:
@@ -353,7 +372,7 @@ class OpenAIServing:
             delta, new_logprobs, finishing = self._take_delta(job, (0, seq.index), seq)
             if delta is None:
                 continue
-            logprobs = {"content": self._chat_logprobs(new_logprobs)} if job.num_logprobs is not None else None
+            logprobs = {"content": self._chat_logprobs(new_logprobs, job)} if job.num_logprobs is not None else None
             message, finish_reason = tools.stream_delta(job.tool_call, seq.index, delta, finishing,
                                                         seq.finish_reason if finishing else None)
             if message is None:
@@ -362,12 +381,12 @@ class OpenAIServing:
                                            seq.stop_reason if finishing else None))
         return chunks
 
-    def _chat_logprobs(self, entries: list[TokenLogprobs]) -> list[dict]:
+    def _chat_logprobs(self, entries: list[TokenLogprobs], job: _Job) -> list[dict]:
         content = []
         for entry in entries:
-            text = self.token_str(entry.token_id)
-            top = [{"token": self.token_str(token), "logprob": logprob,
-                    "bytes": list(self.token_str(token).encode("utf-8"))} for token, logprob in entry.top]
+            text = job.render(entry.token_id)
+            top = [{"token": job.render(token), "logprob": logprob,
+                    "bytes": list(job.render(token).encode("utf-8"))} for token, logprob in entry.top]
             content.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8")),
                             "top_logprobs": top})
         return content

@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--scheduling-policy", default="lof", choices=list(SCHEDULING_POLICIES),
-                        help="queue order: fcfs (arrival), or lof (longest max_tokens first; a request that "
-                             "waited --lof-max-wait seconds goes ahead of fresh ones)")
+                        help="queue order: fcfs (arrival), lof (longest max_tokens first; a request that "
+                             "waited --lof-max-wait seconds goes ahead of fresh ones), or priority (the "
+                             "request's priority, lowest first, then arrival; vLLM's)")
     engine.add_argument("--lof-max-wait", dest="lof_max_wait_s", type=float, default=2.0,
                         help="seconds a request may wait under lof before it is admitted ahead of longer "
                              "fresh requests (inf: no bound)")
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     uv_config = uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=5,  # generation requests were drained already
                                http=header_timeout_protocol(args.header_read_timeout),
-                               timeout_keep_alive=args.keep_alive_timeout, **vllm_flags.uvicorn_options(args))
+                               timeout_keep_alive=args.keep_alive_timeout, backlog=4096,  # bursts of connections
+                               **vllm_flags.uvicorn_options(args))
     server = DrainingServer(uv_config)
 
     def on_fatal(message: str) -> None:

@@ -1,0 +1,87 @@
+"""/health latency while N streams are open against a running `lockstep serve` (issue 15: within 100 ms
+at 3000 streams).
+
+    python3 scripts/health_under_streams.py --url http://127.0.0.1:8000 --streams 3000
+
+Opens `--streams` streamed completions at once (`max_tokens`, `ignore_eos`), probes /health from a
+thread of its own every 50 ms on a separate connection while they run, and prints the probes'
+p50/p99/max with the streams' outcomes. The server needs room for them: `--max-queued-requests -1`
+(or a limit above the streams) so none is refused with 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+
+import httpx
+
+
+def probe_health(url: str, stop: threading.Event, latencies: list[float], failures: list[str]) -> None:
+    with httpx.Client(timeout=30) as client:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                response = client.get(f"{url}/health")
+            except httpx.HTTPError as error:
+                failures.append(type(error).__name__)
+                continue
+            latencies.append(time.monotonic() - started)
+            if response.status_code != 200:
+                failures.append(f"status {response.status_code}: {response.text[:160]}")
+            stop.wait(0.05)
+
+
+async def one_stream(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int) -> str:
+    body = {"model": model, "prompt": [1 + i % 50, 7, 9], "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return f"status {response.status_code}"
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    return "complete"
+            return "ended early"
+    except httpx.HTTPError as error:
+        return type(error).__name__
+
+
+async def run(args) -> None:
+    limits = httpx.Limits(max_connections=args.streams + 10, max_keepalive_connections=args.streams + 10)
+    stop, latencies, failures = threading.Event(), [], []
+    prober = threading.Thread(target=probe_health, args=(args.url, stop, latencies, failures), daemon=True)
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=60), limits=limits) as http:
+        prober.start()
+        outcomes = await asyncio.gather(*(one_stream(http, args.url, args.model, i, args.max_tokens)
+                                          for i in range(args.streams)))
+    stop.set()
+    prober.join(30)
+    counts = {outcome: outcomes.count(outcome) for outcome in sorted(set(outcomes))}
+    latencies.sort()
+    print(f"{args.streams} streams x {args.max_tokens} tokens in {time.monotonic() - started:.1f} s: {counts}")
+    if latencies:
+        print(f"/health: {len(latencies)} probes, p50 {quantile(latencies, 0.5):.0f} ms, "
+              f"p99 {quantile(latencies, 0.99):.0f} ms, max {latencies[-1] * 1000:.0f} ms; failures: {len(failures)}")
+    for failure in sorted(set(failures)):
+        print(f"  {failures.count(failure)} x {failure}")
+
+
+def quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="random:tiny")
+    parser.add_argument("--streams", type=int, default=3000)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
