@@ -3,8 +3,9 @@ at 3000 streams).
 
     python3 scripts/health_under_streams.py --url http://127.0.0.1:8000 --streams 3000
 
-Opens `--streams` streamed completions at once (`max_tokens`, `ignore_eos`), probes /health from a
-thread of its own every 50 ms on a separate connection while they run, and prints the probes'
+Opens `--streams` streamed completions at once (`max_tokens`, `ignore_eos`), probes /health every
+50 ms from a process of its own (a new connection per probe, as a kubelet does; in the streams'
+process the probe would time that process's GIL, not the server), and prints the probes'
 p50/p99/max with the streams' outcomes. The server needs room for them: `--max-queued-requests -1`
 (or a limit above the streams) so none is refused with 503.
 """
@@ -13,25 +14,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import threading
+import multiprocessing
 import time
 
 import httpx
 
 
-def probe_health(url: str, stop: threading.Event, latencies: list[float], failures: list[str]) -> None:
-    with httpx.Client(timeout=30) as client:
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                response = client.get(f"{url}/health")
-            except httpx.HTTPError as error:
-                failures.append(type(error).__name__)
-                continue
-            latencies.append(time.monotonic() - started)
-            if response.status_code != 200:
-                failures.append(f"status {response.status_code}: {response.text[:160]}")
-            stop.wait(0.05)
+def probe_health(url: str, stop, results) -> None:
+    latencies, failures = [], []
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            response = httpx.get(f"{url}/health", timeout=30)
+        except httpx.HTTPError as error:
+            failures.append(type(error).__name__)
+            continue
+        latencies.append(time.monotonic() - started)
+        if response.status_code != 200:
+            failures.append(f"status {response.status_code}: {response.text[:160]}")
+        stop.wait(0.05)
+    results.put((latencies, failures))
 
 
 async def one_stream(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int) -> str:
@@ -51,14 +53,16 @@ async def one_stream(http: httpx.AsyncClient, url: str, model: str, i: int, max_
 
 async def run(args) -> None:
     limits = httpx.Limits(max_connections=args.streams + 10, max_keepalive_connections=args.streams + 10)
-    stop, latencies, failures = threading.Event(), [], []
-    prober = threading.Thread(target=probe_health, args=(args.url, stop, latencies, failures), daemon=True)
+    context = multiprocessing.get_context("spawn")
+    stop, results = context.Event(), context.Queue()
+    prober = context.Process(target=probe_health, args=(args.url, stop, results), daemon=True)
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=60), limits=limits) as http:
         prober.start()
         outcomes = await asyncio.gather(*(one_stream(http, args.url, args.model, i, args.max_tokens)
                                           for i in range(args.streams)))
     stop.set()
+    latencies, failures = results.get(timeout=60)
     prober.join(30)
     counts = {outcome: outcomes.count(outcome) for outcome in sorted(set(outcomes))}
     latencies.sort()

@@ -65,6 +65,14 @@ class Generation:
         if self.error is not None:
             raise self.error
 
+    async def next_update(self, idle_timeout_s: float) -> None:
+        """`wait` for a stream: an engine silent for idle_timeout_s counts as dead (the stream ends with
+        an error event rather than hanging)."""
+        try:
+            await self.wait(idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"no output from the engine for {idle_timeout_s:.0f} s") from None
+
 
 @dataclass
 class CoreTimeouts:

@@ -183,10 +183,7 @@ async def _events(serving, reply: _Reply) -> AsyncIterator[str]:
                     sent = len(text)
             if generation.finished:
                 break
-            try:
-                await generation.wait(serving.idle_timeout_s)
-            except asyncio.TimeoutError:
-                raise EngineDeadError(f"no output from the engine for {serving.idle_timeout_s:.0f} s") from None
+            await generation.next_update(serving.idle_timeout_s)
         completed = True
         status = _status(reply.sequence.finish_reason)
         output = reply.output(status)

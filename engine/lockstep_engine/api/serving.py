@@ -425,10 +425,7 @@ class OpenAIServing:
                     yield payload
                 if generation.finished:
                     break
-                try:
-                    await generation.wait(self.idle_timeout_s)
-                except asyncio.TimeoutError:
-                    raise EngineDeadError(f"no output from the engine for {self.idle_timeout_s:.0f} s") from None
+                await generation.next_update(self.idle_timeout_s)
             completed = True
             tail = ""
             if job.include_usage:
