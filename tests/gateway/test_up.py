@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -68,6 +69,19 @@ class _Load:
         await asyncio.gather(*[client_loop() for _ in range(self.clients)])
 
 
+def _port_of(pid: int) -> int:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(args[args.index(b"--port") + 1])
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind(tmp_path):
     port = free_port()
     log_path = tmp_path / "up.log"
@@ -93,8 +107,14 @@ def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind
         load = _Load(url)
         load.start()
         wait_for("the load to run", lambda: len(load.results) >= 20, timeout=60)
-        killed_at = time.monotonic()
+        engine_port = _port_of(crashed)
         os.kill(crashed, signal.SIGKILL)  # an engine crashes: `up` starts it again, the gateway readmits it
+        # SIGKILL takes effect when the process has exited, not when kill() returns; until its listener
+        # closes, a request can still reach it and die with it (the gateway cannot tell that from a
+        # poison). "Had not started" means sent after the engine was gone: its port refuses connections.
+        wait_for("the killed engine's port to refuse connections", lambda: not _accepts(engine_port),
+                 timeout=10, interval=0.005)
+        killed_at = time.monotonic()
         wait_for("the crashed engine to be ejected",
                  lambda: httpx.get(url + "/health", timeout=2).json()["healthy_engines"] == 1, timeout=30)
         wait_for("the restarted engine to be readmitted", ready, timeout=60, interval=0.2)
