@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -134,9 +135,13 @@ def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind
         assert up.wait(timeout=60) == 0
         wait_for("every engine process to exit", lambda: not any(_alive(p) for p in processes), timeout=15)
     finally:
-        if up.poll() is None:
+        if up.poll() is None:  # a failed assertion: take the engines down too, or they outlive the test
+            leftover = _descendants(up.pid)
             up.kill()
             up.wait()
+            for pid in leftover:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     output = log_path.read_text()
     assert "[engine 0] [lockstep] loading weights" in output and "[engine 1]" in output
     assert "ready: OpenAI API at" in output and "restarting it" in output and "stopped" in output
