@@ -33,7 +33,7 @@ import os, sys
 from lockstep_engine.group import channel as group_channel
 from lockstep_engine.group.channel import WINDOW
 from lockstep_engine.group.errors import AuthenticationError
-from lockstep_engine.group.rendezvous import init_group
+from lockstep_engine.group.rendezvous import exit_rank, init_group
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 _, chan = init_group(rank, 2, "127.0.0.1", port, "cpu", os.environ["LOCKSTEP_GROUP_SECRET"].encode(), 2)
 if rank == 0:
@@ -45,15 +45,15 @@ if rank == 0:
         return bytes(frame)
     group_channel.seal = tampered
     chan.send(WINDOW, b'["a plan"]')
-    sys.exit(0)
+    exit_rank(0)
 print("received", chan.receive(), flush=True)
 try:
     chan.receive()
 except AuthenticationError as error:
     print(f"refused: {error}", flush=True)
-    sys.exit(0)
+    exit_rank(0)
 print("accepted a tampered frame", flush=True)
-sys.exit(1)
+exit_rank(1)
 """
 
 

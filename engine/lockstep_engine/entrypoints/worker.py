@@ -14,6 +14,7 @@ from lockstep_engine.config import ConfigError, EngineConfig
 
 
 def main(argv: list[str]) -> int:
+    """Returns 2 on a bad configuration; a rank that ran ends its process with run_worker's code."""
     if "LOCKSTEP_RANK" not in os.environ:
         print("lockstep worker: LOCKSTEP_RANK is not set (expected the rank of this process in its engine group)",
               file=sys.stderr)
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"lockstep worker: {error}", file=sys.stderr)
         return 2
+    from lockstep_engine.group.rendezvous import exit_rank
     from lockstep_engine.group.worker import run_worker
 
-    return run_worker(config)
+    exit_rank(run_worker(config))
