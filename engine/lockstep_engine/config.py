@@ -93,6 +93,11 @@ class EngineConfig:
     # "priority" (vLLM's): the lowest request `priority` first, then arrival; preemption takes the last.
     scheduling_policy: Literal["fcfs", "lof", "priority"] = "lof"
     lof_max_wait_s: float = 2.0
+    # A request that arrives while a window runs ends that window after the step in flight, so it is
+    # admitted at the next step rather than after the window's last (time to first token stays close to
+    # N=1's). Only where the engine runs its windows alone (one rank, no pipeline micro-batches): the
+    # ranks of a group run the steps the plan they were sent says.
+    arrival_cuts: bool = True
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # fixed KV cache size in blocks (tests, CPU)

@@ -155,6 +155,13 @@ class CoreLoop:
         # Aborts and stop strings take effect inside the window: fewer wasted steps.
         self._drain(block=False, in_window=True)
 
+    def _arrival_waits(self) -> bool:
+        """Whether a request arrived during this window that the next one has a seat for: then the
+        window ends, and the request starts a step later rather than after the window's last step."""
+        self._drain(block=False, in_window=True)
+        core = self.core
+        return bool(self._deferred) and core.num_running < core.scheduler.limits.max_num_seqs
+
     def _send_failures(self) -> None:
         for failure in self.core.take_failures():
             self.writer.send(failure)
@@ -175,6 +182,7 @@ class CoreLoop:
             self.writer.send(self.metrics.snapshot(core))
 
     def run(self) -> None:
+        cuts = self.core.config.arrival_cuts and self.core.executor.can_cut_windows
         while not self._stopping:
             for message in self._deferred:
                 self._add(message)
@@ -185,7 +193,7 @@ class CoreLoop:
             if self._stopping:
                 break
             if self.core.has_unfinished():
-                timings = self.core.step(self._emit)
+                timings = self.core.step(self._emit, self._arrival_waits if cuts else None)
                 self._send_failures()  # those of the window's preparation and its last step
                 if timings is not None:
                     self.metrics.record_window(self.core.take_stats(), timings)

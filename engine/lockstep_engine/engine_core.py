@@ -41,6 +41,7 @@ class CoreStats:
     num_generated_tokens: int = 0
     num_prompt_tokens_computed: int = 0
     num_wasted_tokens: int = 0
+    num_cut_windows: int = 0  # ended before their planned steps by an arrival (`step`'s should_cut)
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     forward_s: float = 0.0
@@ -195,8 +196,12 @@ class EngineCore:
             if done and self.requests.get(request.request_id) is request:
                 del self.requests[request.request_id]
 
-    def step(self, emit: Callable[[list[SequenceOutput]], None]) -> WindowTimings | None:
-        """Plans and runs one window; `emit` receives each step's outputs as the step completes."""
+    def step(self, emit: Callable[[list[SequenceOutput]], None],
+             should_cut: Callable[[], bool] | None = None) -> WindowTimings | None:
+        """Plans and runs one window; `emit` receives each step's outputs as the step completes.
+
+        `should_cut` (where the executor can cut windows): asked between steps; True ends the window
+        after the steps launched so far, e.g. because a request arrived that the next window can admit."""
         started = time.perf_counter()
         for request in [r for r in self.requests.values() if not r.forked]:
             try:
@@ -246,13 +251,22 @@ class EngineCore:
             self.stats.step_batch_sizes.append(len(sampling))
             emit(outputs)
 
+        cut = False
+
+        def cut_now() -> bool:
+            nonlocal cut
+            cut = should_cut()
+            return cut
+
         self._in_flight = plan
         try:
-            timings = self.executor.execute_window(plan, on_step, continuing=self._busy)
+            timings = self.executor.execute_window(plan, on_step, continuing=self._busy,
+                                                   should_cut=cut_now if should_cut is not None else None)
         finally:
             self._in_flight = None
         update_start = time.perf_counter()
         executed = timings.num_steps
+        self.stats.num_cut_windows += cut
         accepted_by_row = iter(accepted)  # sampling rows are the plan's rows that sample, in order
         for row in plan.rows:
             num_sampled = next(accepted_by_row) if row.samples else 0

@@ -56,6 +56,7 @@ CORE_SPECS = {s.name: s for s in (
     Spec(n.HOST_PHASE, "histogram", "Host time of one phase of the serving loop: schedule, prepare, pythonize "
          "(step outputs to messages) and update once per window in the engine core; detokenize and output_ipc "
          "(core -> API server) once per step message in the API server", ("phase",), n.HOST_PHASE_BUCKETS),
+    Spec(n.WINDOW_CUTS, "counter", "Windows ended before their planned steps by an arriving request (--arrival-cuts)"),
     Spec(n.WASTED_TOKENS, "counter", "Tokens computed past a stop inside a window (the price of multi-step decode)"),
     Spec(n.QUEUE_TIME, "histogram", "Request arrival -> first scheduled", (), n.QUEUE_TIME_BUCKETS),
     Spec(n.PREEMPTIONS, "counter", "Sequences preempted (KV blocks freed, recomputed later)"),
@@ -110,6 +111,7 @@ class CoreMetrics:
         self.series = _Series(CORE_SPECS)
         self._prompt_tokens = 0
         self._wasted = 0
+        self._cuts = 0
         self._schedule_s = 0.0
         self._update_s = 0.0
         self.changed = False
@@ -142,7 +144,9 @@ class CoreMetrics:
                                ("pythonize", timings.output_s), ("update", stats.update_s - self._update_s)):
             s.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
         s.inc(n.WASTED_TOKENS, (), stats.num_wasted_tokens - self._wasted)
+        s.inc(n.WINDOW_CUTS, (), stats.num_cut_windows - self._cuts)
         self._prompt_tokens, self._wasted = stats.num_prompt_tokens_computed, stats.num_wasted_tokens
+        self._cuts = stats.num_cut_windows
         self._schedule_s, self._update_s = stats.schedule_s, stats.update_s
         self.changed = True
 

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--lof-max-wait", dest="lof_max_wait_s", type=float, default=2.0,
                         help="seconds a request may wait under lof before it is admitted ahead of longer "
                              "fresh requests (inf: no bound)")
+    engine.add_argument("--arrival-cuts", action=argparse.BooleanOptionalAction, default=True,
+                        help="an arriving request ends the running window after its step in flight, so it "
+                             "starts at the next step (--no-arrival-cuts: windows run their planned steps)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--seed", type=int, default=0)

@@ -43,7 +43,10 @@ class Executor(Protocol):
     def prepare(self, row: ScheduledSeq) -> None: ...  # raises for this row's request alone (see LocalExecutor)
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False) -> WindowTimings: ...
+                       continuing: bool = False, should_cut: Callable[[], bool] | None = None) -> WindowTimings: ...
+
+    @property
+    def can_cut_windows(self) -> bool: ...  # whether execute_window heeds should_cut
 
     def use_attention_backend(self, name: str) -> None: ...  # "auto": the runner's own
 
@@ -90,8 +93,13 @@ class LocalExecutor:
             runner.guide_factory([row])
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False) -> WindowTimings:
-        return self.runner.execute_window(plan, on_step, continuing)
+                       continuing: bool = False, should_cut: Callable[[], bool] | None = None) -> WindowTimings:
+        return self.runner.execute_window(plan, on_step, continuing, should_cut if self.can_cut_windows else None)
+
+    @property
+    def can_cut_windows(self) -> bool:
+        """One rank without pipeline micro-batches: nobody else runs this window's steps."""
+        return self.micro_batches == 1
 
     def use_attention_backend(self, name: str) -> None:
         self.runner.use_attention_backend(name)
@@ -116,10 +124,15 @@ class GroupExecutor(LocalExecutor):
         self._encoder = PlanEncoder()
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False) -> WindowTimings:
+                       continuing: bool = False, should_cut: Callable[[], bool] | None = None) -> WindowTimings:
+        """Every rank runs all the plan's steps (their collectives pair up step by step): no cuts."""
         self.check_health()
         self._send(WINDOW, self._encoder.encode(plan), "the window plan")
         return self.runner.execute_window(plan, on_step, continuing)
+
+    @property
+    def can_cut_windows(self) -> bool:
+        return False
 
     def use_attention_backend(self, name: str) -> None:
         if name != "auto":

@@ -94,8 +94,9 @@ class StepStream:
         while self.pending and self.pending[0][1].event.query():
             self._deliver_slot(*self.pending.popleft())
 
-    def drain(self) -> None:
-        while self.pending:
+    def drain(self, keep: int = 0) -> None:
+        """Delivers the steps whose copies are pending, waiting for each, until `keep` are left."""
+        while len(self.pending) > keep:
             step, slot, packed = self.pending.popleft()
             slot.event.synchronize()
             self._deliver_slot(step, slot, packed)

@@ -232,7 +232,12 @@ class ModelRunner:
     # ---- a window ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False) -> WindowTimings:
+                       continuing: bool = False, should_cut: Callable[[], bool] | None = None) -> WindowTimings:
+        """Runs a window's steps; `on_step` gets each step's outputs as they reach the host.
+
+        With `should_cut`, it is asked before each step from the second on, after the outputs of all
+        but the last CUT_LAUNCH_AHEAD launched steps were handed over: True ends the window there
+        (`timings.num_steps` says how many steps ran). The device keeps a step queued meanwhile."""
         started = time.perf_counter()
         self.copy_blocks(plan.block_copies)
         if self.micro_batches > 1 and len(plan.rows) > 1:
@@ -248,7 +253,7 @@ class ModelRunner:
         clock.begin_window(continuing)
         graph = self._decode_window_graph(plan, first)
         if graph is not None:
-            return self._replay_window(graph, plan.num_steps, rows_n, on_step, timings)
+            return self._replay_window(graph, plan.num_steps, rows_n, on_step, timings, should_cut)
         clock.start(StepTag(1, first_step_phase(plan), rows_n))
         hidden = steps.forward(first.input_ids, first.positions, first.meta)
         if first.prompt is not None and hidden is not None:  # before any token of the window
@@ -277,6 +282,8 @@ class ModelRunner:
             graph = self.graphs.begin(state)
         for step in range(2, plan.num_steps + 1):
             if not stream_async and bool(state.done.all()):
+                break
+            if should_cut is not None and _cut(outputs, should_cut):
                 break
             clock.start(StepTag(step, "decode", rows_n))
             if graph is not None:
@@ -308,12 +315,14 @@ class ModelRunner:
         return self.graphs.begin(state)
 
     def _replay_window(self, graph, num_steps: int, rows_n: int, on_step: Callable[[StepOutput], None],
-                       timings: WindowTimings) -> WindowTimings:
+                       timings: WindowTimings, should_cut: Callable[[], bool] | None) -> WindowTimings:
         """All steps of a decode-only window as graph replays; tokens stream as each step's copy lands."""
         clock = self.clock
         outputs = StepStream(on_step, timings, self.host_ring)
         emitted = graph.inputs["emitted"][:, :rows_n]
         for step in range(1, num_steps + 1):
+            if step > 1 and should_cut is not None and _cut(outputs, should_cut):
+                break
             clock.start(StepTag(step, "decode", rows_n))
             graph.graph.replay()
             clock.end()
@@ -322,3 +331,13 @@ class ModelRunner:
         outputs.drain()
         timings.steps = clock.harvest()
         return timings
+
+
+# Steps launched ahead of the host when a window may be cut: one runs while the host reads the one
+# before, so the device never waits for the host, and a cut wastes at most this many steps' time.
+CUT_LAUNCH_AHEAD = 1
+
+
+def _cut(outputs: StepStream, should_cut: Callable[[], bool]) -> bool:
+    outputs.drain(keep=CUT_LAUNCH_AHEAD)
+    return should_cut()
