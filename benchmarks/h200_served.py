@@ -267,11 +267,7 @@ def plot(results: dict, out: str) -> list[str]:
         plt.setp(ax.get_xticklabels(), rotation=20, ha="right")  # long setting names would overlap
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{results['model']}, sharegpt-synth, rate inf, {results['device']}")
-        fig.tight_layout()
-        path = os.path.join(out, "served_throughput.png")
-        fig.savefig(path, dpi=120)
-        written.append(path)
-        plt.close(fig)
+        written.append(_save_figure(fig, out, "served_throughput.png"))
     sweeps = {}
     for r in results["runs"]:
         if not math.isinf(r["rate"]):
@@ -291,12 +287,19 @@ def plot(results: dict, out: str) -> list[str]:
             ax.set_title(title)
             ax.legend(fontsize=8)
         fig.suptitle(f"{results['model']}, sharegpt-synth, {results['device']}")
-        fig.tight_layout()
-        path = os.path.join(out, "served_latency.png")
-        fig.savefig(path, dpi=120)
-        written.append(path)
-        plt.close(fig)
+        written.append(_save_figure(fig, out, "served_latency.png"))
     return written
+
+
+def _save_figure(fig, out: str, name: str) -> str:
+    """Lays the figure out, writes it to out/name and closes it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def table(results: dict) -> str:

@@ -22,6 +22,15 @@
 #                                              # one GPU, carrying .whl: per setting (SETTINGS, as sweep;
 #                                              #   default flags, N=1, N=8 FCFS unless given) one server and
 #                                              #   a Poisson run per rate, rate x ARRIVAL_S requests each
+#   bash benchmarks/h200_session.sh peer       # one GPU: benchmarks/transformers_peer.py, plain transformers
+#                                              #   generate (static batches of PEER_BATCH, default 64) on the
+#                                              #   served headline's requests (PROMPTS), stopped with a partial
+#                                              #   result after PEER_S seconds (default 480); PEER_ARGS: more
+#                                              #   of its flags, e.g. "--order prompt-length"
+#   PEER_S=120 bash benchmarks/h200_session.sh served|poisson
+#                                              # PEER_S > 0 (default 0): the peer runs after the servers have
+#                                              #   stopped, for PEER_S seconds, its table after theirs; lower
+#                                              #   BUDGET_S / POISSON_S by as much to stay inside the call
 #
 # Logs and JSON go to $OUT (at most 8 files come back from the device tool).
 set -u
@@ -29,6 +38,14 @@ OUT=${OUT:-.bench}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/engine:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 PROMPTS=${PROMPTS:-1000}
+
+# The transformers peer on the served requests (sharegpt-synth seed 0, the headline's first run's ids),
+# for $1 seconds; its JSON line also goes to $OUT/peer.json (its progress to stderr, not to one more file).
+peer() {
+    timeout "$(($1 + 60))" python3 benchmarks/transformers_peer.py --num-prompts "$PROMPTS" --time-limit-s "$1" \
+        --batch-size "${PEER_BATCH:-64}" --result-json "$OUT/peer.json" ${PEER_ARGS:-}
+    echo "== transformers_peer exit $?"
+}
 
 case "${1:-}" in
 single)
@@ -61,6 +78,7 @@ served)
     [ ${#extra[@]} -gt 0 ] && extra_args=(--extra-settings "${extra[@]//+/ }")
     timeout 540 python3 benchmarks/h200_served.py "${extra_args[@]}" 2>&1 | tee "$OUT/served.log"
     echo "== h200_served exit ${PIPESTATUS[0]}"
+    if [ "${PEER_S:-0}" -gt 0 ]; then peer "$PEER_S"; fi
     ;;
 sweep)
     # Server settings side by side at rate inf (1000 requests each; SETTINGS overrides the list), then
@@ -92,6 +110,10 @@ poisson)
         --rates "${rates[@]}" --arrival-s "${ARRIVAL_S:-15}" --poisson-settings "${settings[@]//+/ }" 2>&1 |
         tee "$OUT/poisson.log"
     echo "== poisson exit ${PIPESTATUS[0]}"
+    if [ "${PEER_S:-0}" -gt 0 ]; then peer "$PEER_S"; fi
+    ;;
+peer)
+    peer "${PEER_S:-480}"
     ;;
 parallel)
     timeout 560 python benchmarks/gpu_parallel_run.py --layouts 1x1 2x1 1x2 --steps 8 1 \
@@ -100,7 +122,7 @@ parallel)
     grep -E "Error|error|Traceback" "$OUT/parallel.log" | head -20
     ;;
 *)
-    echo "usage: $0 single|parallel|served|sweep|poisson" >&2
+    echo "usage: $0 single|parallel|served|sweep|poisson|peer" >&2
     exit 2
     ;;
 esac

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from child_process import stop_child
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = Path(os.environ.get("LOCKSTEP_E2E_CHART", ROOT / "charts" / "lockstep"))
 KUBECONFIG = os.environ.get("LOCKSTEP_E2E_KUBECONFIG", "")
@@ -122,12 +124,7 @@ class Kubectl:
                 raise AssertionError(f"kubectl port-forward {target} did not start: {process.poll()}")
             yield local
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_child(process, grace_s=10)
 
 
 RELEASE_VALUES: dict[str, Any] = {

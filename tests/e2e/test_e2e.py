@@ -56,6 +56,15 @@ def wait_ready(kubectl: Kubectl, name: str, timeout: float = READY_TIMEOUT) -> N
                 timeout=timeout + 30)  # fmt: skip
 
 
+def wait_two_ready_groups(kubectl: Kubectl, what: str = "2 ready groups") -> None:
+    wait_for(what, lambda: status(kubectl, "smollm2").get("readyReplicas") == 2, timeout=READY_TIMEOUT, interval=3)
+
+
+def scale_to_two_groups(kubectl: Kubectl) -> None:
+    kubectl.run("scale", "-n", NAMESPACE, "llmservice/smollm2", "--replicas=2")
+    wait_two_ready_groups(kubectl)
+
+
 @pytest.fixture(scope="module")
 def gateway_port(kubectl: Kubectl):
     with kubectl.port_forward(f"svc/{RELEASE}-gateway", 80) as port:
@@ -112,13 +121,7 @@ def generated_tokens(kubectl: Kubectl, pod: str) -> float:
 
 def test_scale_to_two_groups_and_both_take_requests(kubectl: Kubectl, gateway_port: int) -> None:
     with scenario("scale to 2 groups, both take requests"):
-        kubectl.run("scale", "-n", NAMESPACE, "llmservice/smollm2", "--replicas=2")
-        wait_for(
-            "2 ready groups",
-            lambda: status(kubectl, "smollm2").get("readyReplicas") == 2,
-            timeout=READY_TIMEOUT,
-            interval=3,
-        )
+        scale_to_two_groups(kubectl)
         leaders = ["smollm2-g0-0", "smollm2-g1-0"]
         before = {pod: generated_tokens(kubectl, pod) for pod in leaders}
         from concurrent.futures import ThreadPoolExecutor
@@ -155,12 +158,7 @@ def test_killed_engine_restarts_its_group(kubectl: Kubectl, gateway_port: int) -
             return groups[1].get("restarts", 0) > restarts_before[1]
 
         wait_for("status.groups[1].restarts to grow", restarted, timeout=300, interval=2)
-        wait_for(
-            "2 ready groups again",
-            lambda: status(kubectl, "smollm2").get("readyReplicas") == 2,
-            timeout=READY_TIMEOUT,
-            interval=3,
-        )
+        wait_two_ready_groups(kubectl, "2 ready groups again")
         uid_after = kubectl.json("get", "pod", "smollm2-g1-0", "-n", NAMESPACE)["metadata"]["uid"]
         say(f"group 1: pod {uid_before[:8]} -> {uid_after[:8]}, status {status(kubectl, 'smollm2')['groups']}")
         before = generated_tokens(kubectl, "smollm2-g1-0")
@@ -202,13 +200,7 @@ def test_spec_change_rolls_one_group_at_a_time(kubectl: Kubectl, gateway_port: i
     import threading
 
     with scenario("a spec change rolls one group at a time with no failed request"):
-        kubectl.run("scale", "-n", NAMESPACE, "llmservice/smollm2", "--replicas=2")
-        wait_for(
-            "2 ready groups",
-            lambda: status(kubectl, "smollm2").get("readyReplicas") == 2,
-            timeout=READY_TIMEOUT,
-            interval=3,
-        )
+        scale_to_two_groups(kubectl)
         failures: list[str] = []
         answered = [0]
         stop = threading.Event()

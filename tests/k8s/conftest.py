@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from child_process import stop_child
 from k8s_harness import CHART, RELEASE_VALUES, ControlPlane, binaries, free_port, kubeconfig, kubectl_binary, wait_for
 
 RELEASE = "lockstep"
@@ -152,12 +153,7 @@ def operator(
         wait_for("operator /healthz", healthy, timeout=60)
         yield OperatorProcess(process, metrics_port, log_path)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
+        stop_child(process, grace_s=20)
         log.close()
 
 

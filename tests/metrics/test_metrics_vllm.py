@@ -23,38 +23,37 @@ _LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0
             960.0, 1920.0, 7680.0]
 _ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 _TOKENS = "build_1_2_5_buckets(max_model_len)"
+
+
+def _series(kind: str, labels: tuple[str, ...], buckets, *names: str) -> dict:
+    """Series of one type, labels and buckets: name -> (type, label names, buckets)."""
+    return {name: (kind, labels, buckets) for name in names}
+
+
 # name -> (type, label names, buckets); counters by their family name (samples end in _total).
 VLLM_V011 = {
-    "vllm:num_requests_running": ("gauge", ENGINE, None),
-    "vllm:num_requests_waiting": ("gauge", ENGINE, None),
-    "vllm:kv_cache_usage_perc": ("gauge", ENGINE, None),
-    "vllm:prefix_cache_queries": ("counter", ENGINE, None),
-    "vllm:prefix_cache_hits": ("counter", ENGINE, None),
-    "vllm:num_preemptions": ("counter", ENGINE, None),
-    "vllm:prompt_tokens": ("counter", ENGINE, None),
-    "vllm:generation_tokens": ("counter", ENGINE, None),
-    "vllm:request_success": ("counter", (*ENGINE, "finished_reason"), None),
-    "vllm:request_prompt_tokens": ("histogram", ENGINE, _TOKENS),
-    "vllm:request_generation_tokens": ("histogram", ENGINE, _TOKENS),
-    "vllm:iteration_tokens_total": ("histogram", ENGINE, [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
-                                                          16384]),
-    "vllm:request_max_num_generation_tokens": ("histogram", ENGINE, _TOKENS),
-    "vllm:request_params_n": ("histogram", ENGINE, [1, 2, 5, 10, 20]),
-    "vllm:request_params_max_tokens": ("histogram", ENGINE, _TOKENS),
-    "vllm:time_to_first_token_seconds": ("histogram", ENGINE, [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
-                                                               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-                                                               160.0, 640.0, 2560.0]),
-    "vllm:time_per_output_token_seconds": ("histogram", ENGINE, _ITL),
-    "vllm:inter_token_latency_seconds": ("histogram", ENGINE, _ITL),
-    "vllm:e2e_request_latency_seconds": ("histogram", ENGINE, _LATENCY),
-    "vllm:request_queue_time_seconds": ("histogram", ENGINE, _LATENCY),
-    "vllm:request_inference_time_seconds": ("histogram", ENGINE, _LATENCY),
-    "vllm:request_prefill_time_seconds": ("histogram", ENGINE, _LATENCY),
-    "vllm:request_decode_time_seconds": ("histogram", ENGINE, _LATENCY),
+    **_series("gauge", ENGINE, None, "vllm:num_requests_running", "vllm:num_requests_waiting",
+              "vllm:kv_cache_usage_perc"),
+    **_series("counter", ENGINE, None, "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+              "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens"),
+    **_series("counter", (*ENGINE, "finished_reason"), None, "vllm:request_success"),
+    **_series("histogram", ENGINE, _TOKENS, "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+              "vllm:request_max_num_generation_tokens", "vllm:request_params_max_tokens"),
+    **_series("histogram", ENGINE, [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+              "vllm:iteration_tokens_total"),
+    **_series("histogram", ENGINE, [1, 2, 5, 10, 20], "vllm:request_params_n"),
+    **_series("histogram", ENGINE, [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+              "vllm:time_to_first_token_seconds"),
+    **_series("histogram", ENGINE, _ITL, "vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
+    **_series("histogram", ENGINE, _LATENCY, "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+              "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
+              "vllm:request_decode_time_seconds"),
     # Info gauge: CacheConfig.metrics_info() keys + engine (Lockstep's subset of CacheConfig, plus model_name
     # and num_scheduler_steps); only the gauge type and the engine label are compared.
-    "vllm:cache_config_info": ("gauge", ("engine",), None),
-    "vllm:lora_requests_info": ("gauge", ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), None),
+    **_series("gauge", ("engine",), None, "vllm:cache_config_info"),
+    **_series("gauge", ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), None,
+              "vllm:lora_requests_info"),
 }
 
 
