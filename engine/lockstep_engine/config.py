@@ -95,8 +95,9 @@ class EngineConfig:
     lof_max_wait_s: float = 2.0
     # A request that arrives while a window runs ends that window after the step in flight, so it is
     # admitted at the next step rather than after the window's last (time to first token stays close to
-    # N=1's). Only where the engine runs its windows alone (one rank, no pipeline micro-batches): the
-    # ranks of a group run the steps the plan they were sent says.
+    # N=1's); a window that computes only part of a prompt ends after its first step, so the next chunk
+    # runs a step later. Only where the engine runs its windows alone (one rank, no pipeline
+    # micro-batches): the ranks of a group run the steps the plan they were sent says.
     arrival_cuts: bool = True
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

@@ -41,7 +41,7 @@ class CoreStats:
     num_generated_tokens: int = 0
     num_prompt_tokens_computed: int = 0
     num_wasted_tokens: int = 0
-    num_cut_windows: int = 0  # ended before their planned steps by an arrival (`step`'s should_cut)
+    num_cut_windows: int = 0  # ended before their planned steps (`step`: an arrival, a prompt's next chunk)
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     forward_s: float = 0.0
@@ -201,7 +201,9 @@ class EngineCore:
         """Plans and runs one window; `emit` receives each step's outputs as the step completes.
 
         `should_cut` (where the executor can cut windows): asked between steps; True ends the window
-        after the steps launched so far, e.g. because a request arrived that the next window can admit."""
+        after the steps launched so far, e.g. because a request arrived that the next window can admit.
+        With `arrival_cuts`, a window that computes part of a prompt (or a prompt whose samples fork
+        after it) also ends after its first step: the next chunk need not wait for the window's end."""
         started = time.perf_counter()
         for request in [r for r in self.requests.values() if not r.forked]:
             try:
@@ -252,16 +254,17 @@ class EngineCore:
             emit(outputs)
 
         cut = False
+        prompt_left = self.config.arrival_cuts and not all(row.samples for row in plan.rows)
 
         def cut_now() -> bool:
             nonlocal cut
-            cut = should_cut()
+            cut = prompt_left or should_cut is not None and should_cut()
             return cut
 
         self._in_flight = plan
         try:
             timings = self.executor.execute_window(plan, on_step, continuing=self._busy,
-                                                   should_cut=cut_now if should_cut is not None else None)
+                                                   should_cut=cut_now if should_cut is not None or prompt_left else None)
         finally:
             self._in_flight = None
         update_start = time.perf_counter()

@@ -56,7 +56,7 @@ CORE_SPECS = {s.name: s for s in (
     Spec(n.HOST_PHASE, "histogram", "Host time of one phase of the serving loop: schedule, prepare, pythonize "
          "(step outputs to messages) and update once per window in the engine core; detokenize and output_ipc "
          "(core -> API server) once per step message in the API server", ("phase",), n.HOST_PHASE_BUCKETS),
-    Spec(n.WINDOW_CUTS, "counter", "Windows ended before their planned steps by an arriving request (--arrival-cuts)"),
+    Spec(n.WINDOW_CUTS, "counter", "Windows ended before their planned steps (--arrival-cuts): an arrival or a prompt's next chunk"),
     Spec(n.WASTED_TOKENS, "counter", "Tokens computed past a stop inside a window (the price of multi-step decode)"),
     Spec(n.QUEUE_TIME, "histogram", "Request arrival -> first scheduled", (), n.QUEUE_TIME_BUCKETS),
     Spec(n.PREEMPTIONS, "counter", "Sequences preempted (KV blocks freed, recomputed later)"),

@@ -78,6 +78,36 @@ def test_a_cut_window_ends_after_its_launched_steps_and_the_tokens_are_those_of_
     assert core.blocks.num_free_blocks == free
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_window_that_computes_part_of_a_prompt_ends_after_its_first_step(device):
+    """A 40-token prompt under a 16-token budget takes three chunks, next to a decoding row: each window
+    that leaves the prompt partly computed runs one step, so its chunks come a step apart, not a window."""
+    llm = LLM("random:tiny", num_scheduler_steps=STEPS, num_gpu_blocks_override=128, max_num_batched_tokens=16,
+              max_num_seqs=4, device=device)
+    core = llm.engine.core
+    tokens: dict[str, list[int]] = {}
+
+    def emit(outputs) -> None:
+        for output in outputs:
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+
+    core.add_request(Request("a", PROMPTS["a"], _greedy(60), core.config.max_model_len, 0))
+    core.step(emit)  # a's prefill and first decode steps
+    long_prompt = [(7 * i) % 1000 + 3 for i in range(40)]
+    core.add_request(Request("long", long_prompt, _greedy(20), core.config.max_model_len, 0))
+    windows = []
+    while core.has_unfinished() and len(windows) < 100:
+        before = len(tokens.get("a", []))
+        windows.append((core.step(emit).num_steps, len(tokens.get("a", [])) - before, "long" in tokens))
+    # Two windows with a chunk left after theirs ran one step (a decoded one token in each); the
+    # window of the last chunk samples long's first token and runs its planned steps.
+    assert [w[:2] for w in windows[:2]] == [(1, 1), (1, 1)] and not windows[1][2]
+    assert windows[2][0] == STEPS and windows[2][2]
+    assert core.stats.num_cut_windows == 2
+    alone = llm.generate([PROMPTS["a"], long_prompt], [_greedy(60), _greedy(20)])
+    assert [tokens["a"], tokens["long"]] == [out.outputs[0].token_ids for out in alone]
+
+
 def _serve_long_then_late() -> tuple[dict[str, list[int]], float]:
     """A core process runs one long request in windows of 64 steps; `late` is sent once the long one's
     first tokens came. Each request's tokens, and the core's window-cut counter at the end."""
