@@ -251,7 +251,11 @@ def _fmt(value) -> str:
 
 # ---- plots ---------------------------------------------------------------------------------
 def plot(results: dict, out: str) -> list[str]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the results are saved either way; plots can be drawn from served.json later
+        log("plots skipped: matplotlib is not installed")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
