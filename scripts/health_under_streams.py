@@ -4,8 +4,8 @@ at 3000 streams).
     python3 scripts/health_under_streams.py --url http://127.0.0.1:8000 --streams 3000
 
 Opens `--streams` streamed completions at once (`max_tokens`, `ignore_eos`), probes /health every
-50 ms from a process of its own (a new connection per probe, as a kubelet does; in the streams'
-process the probe would time that process's GIL, not the server), and prints the probes'
+50 ms from a process of its own (a new connection per probe with `Connection: close`, as a kubelet
+does; in the streams' process the probe would time that process's GIL, not the server), and prints the probes'
 p50/p99/max with the streams' outcomes. The server needs room for them: `--max-queued-requests -1`
 (or a limit above the streams) so none is refused with 503.
 """
@@ -14,24 +14,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import multiprocessing
 import time
+import urllib.parse
 
 import httpx
 
 
 def probe_health(url: str, stop, results) -> None:
+    # http.client, not httpx.get: that builds a TLS context per call, tens of ms of the prober's own CPU on
+    # a loaded machine, which the latency would then include
+    where = urllib.parse.urlsplit(url)
     latencies, failures = [], []
     while not stop.is_set():
         started = time.monotonic()
+        connection = http.client.HTTPConnection(where.hostname, where.port or 80, timeout=30)
         try:
-            response = httpx.get(f"{url}/health", timeout=30)
-        except httpx.HTTPError as error:
+            connection.request("GET", "/health", headers={"Connection": "close"})
+            response = connection.getresponse()
+            body = response.read()
+        except (OSError, http.client.HTTPException) as error:
             failures.append(type(error).__name__)
-            continue
-        latencies.append(time.monotonic() - started)
-        if response.status_code != 200:
-            failures.append(f"status {response.status_code}: {response.text[:160]}")
+        else:
+            latencies.append((time.monotonic() - started, started))
+            if response.status != 200:
+                failures.append(f"status {response.status}: {body[:160].decode(errors='replace')}")
+        finally:
+            connection.close()
         stop.wait(0.05)
     results.put((latencies, failures))
 
@@ -65,11 +75,13 @@ async def run(args) -> None:
     latencies, failures = results.get(timeout=60)
     prober.join(30)
     counts = {outcome: outcomes.count(outcome) for outcome in sorted(set(outcomes))}
-    latencies.sort()
     print(f"{args.streams} streams x {args.max_tokens} tokens in {time.monotonic() - started:.1f} s: {counts}")
     if latencies:
+        slowest = sorted(latencies, reverse=True)[:3]
+        latencies = sorted(latency for latency, _ in latencies)
         print(f"/health: {len(latencies)} probes, p50 {quantile(latencies, 0.5):.0f} ms, "
               f"p99 {quantile(latencies, 0.99):.0f} ms, max {latencies[-1] * 1000:.0f} ms; failures: {len(failures)}")
+        print("  slowest: " + ", ".join(f"{latency * 1000:.0f} ms at {at - started:.1f} s" for latency, at in slowest))
     for failure in sorted(set(failures)):
         print(f"  {failures.count(failure)} x {failure}")
 

@@ -172,7 +172,10 @@ class Registry:
         """One active health check: /health, and /v1/models when the engine is (re)admitted."""
         timeout = self.config.health_check_timeout_s
         try:
-            response = await self.client.get(backend.url + "/health", timeout=timeout, headers=self.headers)
+            # A connection of its own per check, as a kubelet's: the engine answers /health on a new connection
+            # off its event loop, and one that served /metrics or /v1/models before is the loop's.
+            response = await self.client.get(backend.url + "/health", timeout=timeout,
+                                             headers={**self.headers, "connection": "close"})
             if response.status_code != 200:
                 raise _Definitive(f"/health answered {response.status_code}")
             models, lengths = backend.models, None

@@ -14,7 +14,6 @@ import json
 import re
 import time
 import traceback
-import uuid
 from urllib.parse import parse_qsl, urlencode
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 import lockstep
-from lockstep_engine.api import metrics, responses
+from lockstep_engine.api import health_listener, metrics, responses
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
 from lockstep_engine.api.errors import APIError, error_body, error_response, refused_unstarted
 from lockstep_engine.api.openai_models import (
@@ -186,7 +185,7 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = _request_id(scope["headers"])
+        request_id = health_listener.request_id(scope["headers"])  # the listener's too
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message):
@@ -238,17 +237,6 @@ class GuardMiddleware:
             await self.app(scope, replay, send)
         finally:
             self.state.leave()
-
-
-_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
-
-
-def _request_id(headers) -> str:
-    """The caller's X-Request-Id when it is a sane token (a gateway's id carries through), else a new one."""
-    for name, value in headers:
-        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
-            return value.decode()
-    return uuid.uuid4().hex
 
 
 def _redact_query_key(scope) -> bool:
@@ -316,6 +304,21 @@ async def _read_body(scope, receive, limit: int) -> tuple[bytes, bool]:
     return b"".join(chunks), False
 
 
+def health_response(state: ServerState) -> Response:
+    """`/health`: 200 when requests can be served, else 503 with the reason. Also built off the event loop
+    (`probe_answer`), so it only reads `state`."""
+    reason = state.unavailable_reason()
+    return Response(status_code=200) if reason is None else error_response(503, reason)
+
+
+def probe_answer(state: ServerState) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """/health's status, headers and body before GuardMiddleware adds x-request-id, for the health listener
+    (api/health_server.py publishes it from a thread). Safe off the loop: each attribute `unavailable_reason`
+    reads is one atomic read under the GIL, and a stale one is the answer of 50 ms before."""
+    response = health_response(state)
+    return response.status_code, response.raw_headers, response.body
+
+
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     lines, param = [], None
     for error in errors[:10]:
@@ -370,10 +373,7 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
-        reason = state.unavailable_reason()
-        if reason is not None:
-            return error_response(503, reason)
-        return Response(status_code=200)
+        return health_response(state)
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
@@ -426,4 +426,4 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
     return app
 
 
-__all__ = ["build_app", "ServerSettings", "ServerState", "error_body"]
+__all__ = ["build_app", "ServerSettings", "ServerState", "error_body", "probe_answer"]

@@ -234,10 +234,11 @@ class EngineCoreClient:
             except (EOFError, OSError):
                 self._loop.call_soon_threadsafe(self._mark_dead, "the engine core process exited")
                 return
-            self._loop.call_soon_threadsafe(self._on_message, message, time.monotonic())
+            received_at = self._last_heard = time.monotonic()  # here: a loop behind on its callbacks is no silent core
+            self._loop.call_soon_threadsafe(self._on_message, message, received_at)
 
     def _on_message(self, message, received_at: float) -> None:
-        self._last_heard = received_at
+        self._last_heard = max(self._last_heard, received_at)
         if isinstance(message, p.StepOutputs):
             self._loop_progress_at = max(self._loop_progress_at, message.emitted_at)
             metrics.observe_output_ipc(received_at - message.emitted_at)

@@ -3,12 +3,15 @@
 uvicorn closes idle keep-alive connections (`timeout_keep_alive`), but a connection that sends part
 of its headers and then nothing stays open for ever: a few hundred of them (slowloris) hold file
 descriptors and memory. Here every request's headers must be complete within `header_timeout_s` of
-its first byte (or of the connection's start); otherwise the connection is closed.
+its first byte (or of the connection's start); otherwise the connection is closed. A connection that
+the health listener (`api/health_listener.py`) passed on with its headers incomplete keeps the deadline
+that started there (`header_deadline`, time.monotonic()).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -26,10 +29,11 @@ def header_timeout_protocol(timeout_s: float) -> type:
 class _HeaderTimeoutH11Protocol(H11Protocol):
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
     _header_timer: asyncio.TimerHandle | None = None
+    header_deadline: float | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._arm_header_timer()
+        self._arm_header_timer(self.header_deadline)
 
     def data_received(self, data: bytes) -> None:
         if self._header_timer is None and self._awaiting_headers():
@@ -45,8 +49,9 @@ class _HeaderTimeoutH11Protocol(H11Protocol):
     def _awaiting_headers(self) -> bool:
         return self.conn.their_state is h11.IDLE
 
-    def _arm_header_timer(self) -> None:
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
+    def _arm_header_timer(self, deadline: float | None = None) -> None:
+        delay = self.header_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+        self._header_timer = self.loop.call_later(delay, self._on_header_timeout)
 
     def _cancel_header_timer(self) -> None:
         if self._header_timer is not None:

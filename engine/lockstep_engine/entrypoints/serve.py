@@ -1,7 +1,9 @@
 """`lockstep serve MODEL`: the OpenAI-compatible engine server, with vLLM's flag names.
 
-Two processes: this one runs uvicorn + FastAPI, the tokenizer and streaming; the engine core runs
-the model in a process of its own (spawned by the API server), so HTTP work never delays a step.
+Three processes: this one runs uvicorn + FastAPI, the tokenizer and streaming; the engine core runs
+the model in a process of its own (spawned by the API server), so HTTP work never delays a step. A
+third, small one, the health listener (api/health_listener.py), owns the listening socket: it answers
+`/health` itself, so probes never wait for a busy event loop, and passes every other connection on.
 SIGTERM (or Ctrl-C) drains: `/health` and new requests get 503, requests in flight finish within
 `--shutdown-grace-period` (then they are aborted), the engine core stops, and the exit code is 0.
 A second signal exits at once.
@@ -179,7 +181,9 @@ def parse_args(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from lockstep_engine.api.app import build_app
+    from lockstep_engine.api.app import build_app, probe_answer
+    from lockstep_engine.api.health_listener import PROBE_PATHS
+    from lockstep_engine.api.health_server import HealthListenerServer
     from lockstep_engine.api.http_limits import header_timeout_protocol
     from lockstep_engine.log import log
 
@@ -197,11 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.root_path:
         asgi = vllm_flags.RootPath(asgi, args.root_path)
 
-    class DrainingServer(uvicorn.Server):
-        """uvicorn's server with a drain on the first SIGTERM/SIGINT instead of closing the listener."""
+    class DrainingServer(HealthListenerServer):
+        """uvicorn's server with a drain on the first SIGTERM/SIGINT instead of closing the listener, and
+        /health answered off the event loop (api/health_listener.py)."""
 
         exit_code = 0
         _drain_task = None
+        # --root-path: RootPath routes /prefix/health to /health as well
+        probe_paths = PROBE_PATHS + tuple(args.root_path.encode() + p for p in PROBE_PATHS) if args.root_path \
+            else PROBE_PATHS
+
+        def probe_answer(self):
+            return probe_answer(state)
 
         def handle_exit(self, sig, frame):
             if self._drain_task is not None or not self.started:
