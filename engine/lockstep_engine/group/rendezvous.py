@@ -145,10 +145,12 @@ def _hello(store: dist.TCPStore, rank: int, world: int, secret: bytes, where: st
         nonce = store.get(_KEY + "nonce").decode("ascii", "replace")
         if len(nonce) != 32 or not all(c in "0123456789abcdef" for c in nonce):
             raise GroupError(f"rank {rank}: the rendezvous at {where} holds no nonce of a leader; refused")
+        # The leader's proof is read before this rank's hello is sent: a leader that refuses the hello
+        # exits, and its store with it, so the proof could not be read after.
+        leader_proof = store.get(_KEY + "hello/0")
         if store.add(f"{_KEY}joined/{rank}", 1) != 1:
             raise GroupError(f"rank {rank}: another process already joined the group at {where} as rank {rank}")
         store.set(f"{_KEY}hello/{rank}", hello_proof(secret, nonce, world, rank))
-        leader_proof = store.get(_KEY + "hello/0")
         if not hmac.compare_digest(leader_proof, hello_proof(secret, nonce, world, 0)):
             raise AuthenticationError(f"rank {rank}: the leader at {where} failed authentication (its group secret "
                                       "differs from this rank's); refused")
