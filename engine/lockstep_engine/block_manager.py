@@ -145,8 +145,12 @@ class BlockManager:
     def try_reserve(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
         """`reserve`, or None (and nothing changed) when too few blocks are free. A decoding sequence
         needs a new block only every `block_size` tokens: most calls take nothing and return at once."""
-        num_new = self.blocks_for(num_tokens) - len(seq.block_ids)
-        copy = self._shares_next_write(seq, num_tokens)
+        size, held = self.block_size, len(seq.block_ids)
+        num_new = -(-num_tokens // size) - held
+        # `_shares_next_write`, inlined: this runs for every row of every window.
+        first_write = seq.num_computed // size
+        copy = (first_write < held and num_tokens > seq.num_computed
+                and self._blocks[seq.block_ids[first_write]].ref_count > 1)
         if num_new <= 0 and not copy:
             return []
         num_new = max(num_new, 0)
@@ -154,11 +158,10 @@ class BlockManager:
             return None
         copies = []
         if copy:
-            first_write = seq.num_computed // self.block_size
             shared = seq.block_ids[first_write]
             fresh = self._take_block()
             self._unref(shared)
-            seq.block_ids[first_write] = fresh
+            seq.block_ids = seq.block_ids[:first_write] + [fresh] + seq.block_ids[first_write + 1:]  # a new list
             copies.append((shared, fresh))
         for _ in range(num_new):
             seq.block_ids.append(self._take_block())

@@ -156,9 +156,9 @@ class Scheduler:
         """Ends a sequence (stop, length or abort) and releases its blocks."""
         seq.status = status
         self._aged.discard(seq.seq_id)
-        if seq in self.running:
+        try:
             self.running.remove(seq)
-        else:
+        except ValueError:
             try:
                 self.waiting.remove(seq)
             except ValueError:
@@ -200,23 +200,26 @@ class Scheduler:
         return max(AUTO_MIN_STEPS, min(self._auto_steps, bound))
 
     def _plan_row(self, seq: Sequence, budget: int, num_steps: int) -> ScheduledSeq | None:
-        todo = seq.compute_target - seq.num_computed
-        if todo <= 0:
+        # Runs for every running row of every window: a decode row reads a few attributes and builds its row.
+        # (`Sequence.compute_target` and `remaining_tokens` are folded in.)
+        computed, num_tokens = seq.num_computed, len(seq.token_ids)
+        if not seq.request.forked:  # n > 1: the shared prompt, minus its last token, without sampling
+            todo = seq.request.prompt_len - 1 - computed
+            if todo <= 0 or budget <= 0 or todo > budget and not self.limits.enable_chunked_prefill:
+                return None
+            return ScheduledSeq(seq, min(todo, budget), False, 0, computed, 0)
+        todo = num_tokens - computed
+        if todo <= 0 or budget <= 0:
             return None
-        if todo > budget and not self.limits.enable_chunked_prefill:
-            return None
-        num_new = min(todo, budget)
-        if num_new <= 0:
-            return None
-        samples = num_new == todo and seq.request.forked
-        remaining = seq.remaining_tokens if samples else 0
-        max_steps = max(1, min(num_steps, remaining)) if samples else 0
-        return ScheduledSeq(seq, num_new, samples, max_steps, seq.num_computed, remaining)
+        if todo > budget:  # a prefill chunk
+            return ScheduledSeq(seq, budget, False, 0, computed, 0) if self.limits.enable_chunked_prefill else None
+        remaining = seq.max_num_tokens - num_tokens
+        return ScheduledSeq(seq, todo, True, max(1, min(num_steps, remaining)), computed, remaining)
 
     @staticmethod
     def _slots_needed(row: ScheduledSeq) -> int:
         extra = row.max_steps - 1 if row.samples else 0
-        return row.seq.num_computed + row.num_new_tokens + extra
+        return row.start_computed + row.num_new_tokens + extra
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -236,22 +239,24 @@ class Scheduler:
 
         # Running sequences first, oldest first (under priority: in priority order); the last are
         # preempted when blocks run out.
+        running, plan_row, try_reserve = self.running, self._plan_row, self.blocks.try_reserve
         index = 0
-        while index < len(self.running):
-            seq = self.running[index]
-            row = self._plan_row(seq, budget, num_steps)
+        while index < len(running):
+            seq = running[index]
+            row = plan_row(seq, budget, num_steps)
             if row is None:
                 index += 1
                 continue
             need = self._slots_needed(row)
-            reserved = self.blocks.try_reserve(seq, need)
-            while reserved is None and self.running[-1] is not seq:
-                self._preempt(self.running[-1])
-                reserved = self.blocks.try_reserve(seq, need)
+            reserved = try_reserve(seq, need)
+            while reserved is None and running[-1] is not seq:
+                self._preempt(running[-1])
+                reserved = try_reserve(seq, need)
             if reserved is None:
                 self._preempt(seq)
                 continue
-            copies += reserved
+            if reserved:
+                copies += reserved
             rows.append(row)
             budget -= row.num_new_tokens
             index += 1
@@ -291,9 +296,12 @@ class Scheduler:
     def complete_row(self, row: ScheduledSeq, num_sampled: int) -> None:
         """Records that a row fed its step-1 tokens and then `num_sampled - 1` sampled tokens."""
         seq = row.seq
-        seq.num_computed = row.start_computed + row.num_new_tokens + max(num_sampled - 1, 0)
-        if not seq.is_finished:
-            self.blocks.register_computed_blocks(seq)
+        seq.num_computed = computed = row.start_computed + row.num_new_tokens + max(num_sampled - 1, 0)
+        # Only a block the window filled enters the prefix cache: most decode windows fill none.
+        blocks = self.blocks
+        if (computed >= (seq.num_hashed_blocks + 1) * blocks.block_size and blocks.enable_prefix_caching
+                and not seq.is_finished):
+            blocks.register_computed_blocks(seq)
 
     def fork_ready_requests(self, requests: list[Request]) -> None:
         """Splits a request with n > 1 into its n samples once the shared prompt is computed."""

@@ -39,6 +39,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
+    # Only ever appended to: any other change (copy-on-write, freeing) assigns a new list, so the
+    # runner's block table keeps the entries of a list it saw before (`runner.step_inputs.BlockTables`).
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)
@@ -48,6 +50,16 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     prepared: bool = False  # its per-request window state is built (`Executor.prepare`)
+    sampling_row: object = None  # the runner's sampling constants for it (`runner.step_inputs.SamplingCache`)
+    # The length at which max_tokens or max_model_len ends it: fixed by the request, so that the
+    # scheduler's per-row `remaining_tokens` is one subtraction.
+    max_num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        request = self.request
+        max_tokens = request.params.max_tokens
+        self.max_num_tokens = request.max_model_len if max_tokens is None else \
+            min(len(request.prompt_token_ids) + max_tokens, request.max_model_len)
 
     @property
     def prompt_len(self) -> int:
@@ -83,13 +95,7 @@ class Sequence:
     @property
     def remaining_tokens(self) -> int:
         """Tokens still allowed by max_tokens / max_model_len."""
-        # Read once per running sequence and window: plain attribute reads, no nested properties.
-        request, num_tokens = self.request, len(self.token_ids)
-        by_model_len = request.max_model_len - num_tokens
-        max_tokens = request.params.max_tokens
-        if max_tokens is None:
-            return by_model_len
-        return min(max_tokens - (num_tokens - len(request.prompt_token_ids)), by_model_len)
+        return self.max_num_tokens - len(self.token_ids)
 
 
 @dataclass(eq=False)

@@ -314,6 +314,8 @@ class PlanDecoder(_Tracked):
         if seq is None:
             raise PlanCodecError(f"sequence {key}: a delta arrived for a sequence this worker does not mirror")
         _apply_delta(key, "token_ids", seq.token_ids, token_keep, new_tokens)
+        if 0 <= block_keep < len(seq.block_ids):  # not only appended: a new list (see Sequence.block_ids)
+            seq.block_ids = seq.block_ids[:block_keep]
         _apply_delta(key, "block_ids", seq.block_ids, block_keep, new_blocks)
         end = start_computed + num_new_tokens
         if start_computed < 0 or num_new_tokens < 0 or end > seq.num_tokens:

@@ -17,8 +17,8 @@ import torch
 from lockstep_engine.attention import AttentionMetadata
 from lockstep_engine.parallel import ParallelState, broadcast_from_sampler, pp_isend, pp_recv, pp_send
 from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, PromptLogprobs
-from lockstep_engine.runner.step_inputs import (SamplingCache, first_step_arrays, output_counts, prompt_logprob_rows,
-                                                sampling_arrays, sampling_tensors, to_device)
+from lockstep_engine.runner.step_inputs import (BlockTables, SamplingCache, first_step_arrays, output_counts,
+                                                prompt_logprob_rows, sampling_arrays, sampling_tensors, to_device)
 from lockstep_engine.runner.window_state import DecodeState, FirstStep
 from lockstep_engine.sampler import SampleOutput, Sampler, SamplingTensors
 
@@ -42,6 +42,7 @@ class Steps:
         self.max_model_len = max_model_len
         self.sampler = Sampler()
         self.sampling_cache = SamplingCache(vocab_size, eos_token_ids)
+        self.block_tables = BlockTables(num_blocks)
 
     # ---- forward and sample -----------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -157,8 +158,9 @@ class Steps:
     # ---- a window's state -------------------------------------------------------------------
     def first_step(self, rows) -> FirstStep:
         """Step 1 of a window: every row's scheduled tokens, flattened, and its sampling rows."""
-        host = first_step_arrays(rows, self.block_size, self.num_blocks)
-        sampling_rows = [row for row in rows if row.samples]
+        host = first_step_arrays(rows, self.block_size, self.num_blocks, self.block_tables)
+        sample_sel = host["sample_sel"]
+        sampling_rows = list(rows) if sample_sel.size == len(rows) else [rows[i] for i in sample_sel.tolist()]
         decode_only = host["input_ids"].size == len(rows)
         # A decode row predicts no prompt token: windows of sampling decode rows only look no further.
         prompt = None if decode_only and len(sampling_rows) == len(rows) else prompt_logprob_rows(
