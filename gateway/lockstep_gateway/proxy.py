@@ -63,6 +63,10 @@ class Job:
     settled: bool = False  # the engine reported usage and the rate limiter was corrected
 
 
+# Retry reasons of attempts whose request no engine received: the connection failed before it was written.
+UNSEEN_REASONS = frozenset(("connect", "connect_timeout", "write"))
+
+
 class _Retry(Exception):
     """The engine did not accept the request: another engine may take it."""
 
@@ -144,8 +148,13 @@ class Proxy:
     async def forward(self, job: Job) -> Response:
         tried: set[str] = set()
         reason = None
+        budgeted = False  # whether the retry in progress counts against the budget
         for attempt in range(1 + self.config.max_retries):
-            if attempt and not self.budget.allows(self.in_flight):
+            # A retry after a connection that failed before the request was written costs the engines
+            # nothing the first attempt had not: no engine saw the request. Only retries after an
+            # engine answered (overloaded, draining) are bounded by the budget.
+            budgeted = attempt > 0 and reason not in UNSEEN_REASONS
+            if budgeted and not self.budget.allows(self.in_flight):
                 self.metrics.retries_refused.inc()
                 reason = f"{reason}; the retry budget is spent"
                 break
@@ -155,6 +164,7 @@ class Proxy:
             tried.add(backend.url)
             if attempt:
                 self.metrics.retries.labels(reason.split(":")[0]).inc()
+            if budgeted:
                 self.budget.retrying += 1
             try:
                 return await self._attempt(backend, job)
@@ -162,7 +172,7 @@ class Proxy:
                 reason = retry.reason
                 log.info("engine %s did not take the request (%s)", backend.url, reason)
             finally:
-                if attempt:
+                if budgeted:
                     self.budget.retrying -= 1
         if reason is None:
             if self.registry.healthy(job.model):

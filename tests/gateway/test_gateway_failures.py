@@ -252,6 +252,20 @@ def test_the_retry_budget_bounds_retries(engines, start_gateway):
         assert gateway.metric("lockstep_gateway_retries_total") == 0
 
 
+def test_a_refused_connection_is_retried_without_the_budget(engines, start_gateway):
+    """No engine saw a request whose connection was refused: its retry is not bounded by the budget
+    (an engine that died gets requests until it is ejected, and none of them may fail)."""
+    with FakeEngine([MODEL], behaviour="ok") as fake:
+        gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
+                                "--retry-budget-ratio=0", "--retry-budget-min=0", "--health-check-interval=3600",
+                                expect_healthy={fake.url, engines[0].url})
+    # The fake is gone (its port refuses connections); the gateway learns it from the first attempt.
+    responses = _posts(gateway)
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    assert gateway.metric("lockstep_gateway_retries_total", reason="connect") == 1
+    assert gateway.metric("lockstep_gateway_retries_refused_total") == 0
+
+
 def test_consecutive_failures_open_the_breaker_and_a_probe_closes_it(engines, start_gateway):
     with FakeEngine([MODEL], behaviour="status:500") as fake:
         gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
