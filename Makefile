@@ -48,7 +48,12 @@ clean:
 
 # The engine (CPU), gateway and operator images, built with buildah from Debian packages and PyPI
 # wheels, no Docker or registry (images/build.sh; docs/CLUSTER.md). Needs root.
-.PHONY: images e2e
+.PHONY: images e2e system-deps
+# The Debian packages both need (buildah, debootstrap, containerd, runc, the CNI plugins, iptables,
+# Prometheus, ...): installed with apt-get when missing (hack/system-deps.sh). Needs root or sudo.
+system-deps:
+	bash hack/system-deps.sh install
+
 images:
 	bash images/build.sh
 

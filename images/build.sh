@@ -2,7 +2,7 @@
 # `make images`: builds the Lockstep images with buildah from Debian packages and PyPI wheels, no
 # Docker and no registry, and exports each as a docker-archive that `ctr images import` reads.
 #   images/build.sh [IMAGE...]   IMAGE: engine-cpu gateway operator (the default) or engine-cuda
-# Needs root, buildah and debootstrap (Debian packages). Cached outside the repository in
+# Needs root, buildah and debootstrap (Debian packages: `make system-deps`). Cached outside the repository in
 # ${LOCKSTEP_IMAGE_CACHE:-~/.cache/lockstep/images}: the debootstrap root filesystem, the wheelhouse
 # (pip download of images/requirements/*.txt), the archives (archives/<image>.tar).
 # The lockstep wheel itself is rebuilt on every run: from this working tree, or from the commit
@@ -40,9 +40,7 @@ requirements() {  # the pinned requirements of one image
 images=("$@")
 ((${#images[@]})) || images=(gateway operator engine-cpu)
 for image in "${images[@]}"; do image_name "$image" >/dev/null; done
-for tool in buildah debootstrap; do
-  command -v "$tool" >/dev/null || { echo "images/build.sh: $tool is missing (apt-get install $tool)" >&2; exit 1; }
-done
+bash "$root/hack/system-deps.sh" check images
 
 total=$SECONDS
 base="$(bash "$here/base.sh")"
@@ -64,7 +62,9 @@ if [[ -n "${LOCKSTEP_IMAGE_REF:-}" ]]; then
   git -C "$root" archive "$LOCKSTEP_IMAGE_REF" | tar -x -C "$source_dir"
   echo "images: lockstep wheel from $LOCKSTEP_IMAGE_REF ($(git -C "$root" rev-parse --short "$LOCKSTEP_IMAGE_REF"))" >&2
 fi
-"$python" -m pip wheel --quiet --no-deps --no-build-isolation --disable-pip-version-check -w "$cache/project" "$source_dir" >&2
+# With build isolation: pip brings the build backend pyproject.toml asks for (setuptools, wheel), so
+# an interpreter whose own setuptools is old or lacks `wheel` (a fresh venv) builds it as well.
+"$python" -m pip wheel --quiet --no-deps --disable-pip-version-check -w "$cache/project" "$source_dir" >&2
 [[ "$source_dir" == "$root" ]] || rm -rf "$source_dir"
 echo "images: wheelhouse ready in $((SECONDS - step)) s" >&2
 

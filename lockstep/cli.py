@@ -5,6 +5,7 @@ Imports are deferred so `lockstep gateway` and `lockstep operator` never load to
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -22,6 +23,8 @@ _COMMANDS = {
 _BENCH = {
     "throughput": ("lockstep_engine.entrypoints.bench_throughput", "main"),
     "serve": ("lockstep.bench.serve", "main"),
+    "gateway": ("lockstep.bench.gateway", "main"),
+    "health": ("lockstep.bench.health_flood", "main"),
 }
 
 _USAGE = """usage: lockstep <command> [options]
@@ -36,6 +39,8 @@ commands:
   operator              Kubernetes operator for LLMService resources
   bench throughput      offline engine throughput on a synthetic workload
   bench serve           load-test any OpenAI-compatible server
+  bench gateway         the gateway's CPU and latency per relayed chunk, against a fake engine
+  bench health          the gateway's /health latency under a flood of streams
 """
 
 
@@ -62,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _run(_BENCH[rest[0]], rest[1:])
     if command not in _COMMANDS:
-        print(f"lockstep: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
+        close = difflib.get_close_matches(command, [*_COMMANDS, "bench"], n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        print(f"lockstep: unknown command {command!r}\n{hint}(`lockstep --help` lists the commands)", file=sys.stderr)
         return 2
     return _run(_COMMANDS[command], rest)
 

@@ -1,10 +1,12 @@
 """`lockstep up MODEL`: the local stack — the gateway on :8000 and R engine groups as child processes.
 
 Every option `up` does not know itself goes to each `lockstep serve` unchanged (vLLM's flag names:
-`--num-scheduler-steps`, `--tensor-parallel-size`, `--max-model-len`, ...; an `--api-key` there is
-also the key the gateway sends to the engines). Engines listen on free ports of 127.0.0.1; their
-output is shown prefixed with `[engine i]`, so model loading progress is visible. The gateway
-answers 503 until an engine is ready.
+`--num-scheduler-steps`, `--tensor-parallel-size`, `--max-model-len`, ...). `--api-key KEY` is
+required by the engines and by the gateway, which sends it on to the engines. Engines listen on
+free ports of 127.0.0.1; their output is shown prefixed with `[engine i]`, so model loading
+progress is visible. The gateway runs in this process (its `/health` answered by a health listener
+process, as `lockstep gateway`'s) and answers 503 until an engine is ready; a gateway port that is taken
+stops `up` before any engine starts.
 
 Supervision: an engine that exits after it was once ready (a crash, a kill, its core dying) is
 started again on the same port after a back-off (1, 2, 5, 10, 30 s; back to 1 s once it stayed
@@ -30,23 +32,26 @@ import sys
 import time
 
 import httpx
-from lockstep_gateway.config import ROUTING_POLICIES, GatewayConfig
+from lockstep_gateway.config import ROUTING_POLICIES, ConfigError, GatewayConfig
+from lockstep_gateway.main import add_flow_control_flags
 
-PR_SET_PDEATHSIG = 1
+from lockstep_common.argparsing import ArgumentParser, port_number
+from lockstep_common.sockets import die_with_parent
+
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_AFTER_S = 60.0  # ready this long: the next crash restarts after the first back-off again
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lockstep up", description=__doc__.split("\n")[0],
         epilog="Other options (e.g. --num-scheduler-steps 8 --tensor-parallel-size 2 --max-model-len 4096) are "
                "passed to every `lockstep serve`.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("model", help="smollm2, random:<shape>, a .gguf file or a Hugging Face directory")
     parser.add_argument("--replicas", type=int, default=1, help="engine groups")
     parser.add_argument("--host", default="127.0.0.1", help="the gateway's address")
-    parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
-    parser.add_argument("--routing", default="least-load", choices=ROUTING_POLICIES)
+    parser.add_argument("--port", type=port_number, default=8000, help="the gateway's port (1-65535)")
+    parser.add_argument("--routing", default=GatewayConfig.routing, choices=ROUTING_POLICIES)
     # The gateway's routing and affinity flags (lockstep gateway --help), with its defaults.
     parser.add_argument("--session-header", default=GatewayConfig.session_header,
                         help="requests with this header (else with the same 'user') stick to one engine")
@@ -58,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests the gateway keeps open per engine (0 = no limit)")
     parser.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
                         help="require these keys at the gateway (see `lockstep gateway --help`)")
+    add_flow_control_flags(parser)  # the gateway's queue, with its defaults
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds engines get to drain on shutdown before they are killed")
     parser.add_argument("--liveness-timeout", type=float, default=30.0,
@@ -75,23 +81,40 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for flag in ("--host", "--port"):
         if any(a == flag or a.startswith(flag + "=") for a in engine_args):
             parser.error(f"{flag} belongs to the gateway here; engines listen on free ports of 127.0.0.1")
+    _check_engine_flags(parser, engine_args)
+    try:
+        gateway_config(args, (), engine_args)
+    except ConfigError as error:  # before any engine starts
+        parser.error(str(error))
     return args, engine_args
+
+
+def gateway_config(args: argparse.Namespace, engine_urls: tuple[str, ...], engine_args: list[str]) -> GatewayConfig:
+    """The in-process gateway's configuration: `up`'s gateway flags, in front of `engine_urls`."""
+    key = engine_key(engine_args)
+    return GatewayConfig(host=args.host, port=args.port, routing=args.routing, session_header=args.session_header,
+                         session_affinity=args.session_affinity, saturation_queue_depth=args.saturation_queue_depth,
+                         max_in_flight_per_engine=args.max_in_flight_per_engine, max_queue_length=args.max_queue_length,
+                         queue_timeout_s=args.queue_timeout, engines=engine_urls,
+                         api_key_files=tuple(args.api_key_file), health_check_interval_s=0.5, engine_api_key=key,
+                         api_keys=tuple(filter(None, [key])))
+
+
+def _check_engine_flags(parser: ArgumentParser, engine_args: list[str]) -> None:
+    """A flag neither `up` nor `lockstep serve` takes is refused here, with a "did you mean" over both,
+    instead of by each engine after the stack started."""
+    from lockstep_engine.entrypoints.serve import build_parser as serve_parser  # no torch: argument parsing only
+
+    parser.other_flags = {flag for action in serve_parser()._actions for flag in action.option_strings}
+    for arg in engine_args:
+        if arg.startswith("--") and arg.split("=", 1)[0] not in parser.other_flags:
+            parser.error(f"unrecognized arguments: {arg}")
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when `up` dies, however it dies (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def say(message: str) -> None:
@@ -120,7 +143,7 @@ class EngineProcess:
         self.ready_since = self.failing_since = None
         self.process = await asyncio.create_subprocess_exec(
             *self.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent)
+            start_new_session=True, preexec_fn=die_with_parent)
         self._output = asyncio.create_task(self._relay_output())
 
     async def _relay_output(self) -> None:
@@ -166,27 +189,24 @@ class Stack:
         self.server = None
 
     async def run(self) -> int:
-        import uvicorn
         from lockstep_gateway.app import build_app
-        from lockstep_gateway.main import configure_logging, uvicorn_config
+        from lockstep_gateway.main import configure_logging, gateway_server
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        config = GatewayConfig(host=self.args.host, port=self.args.port, routing=self.args.routing,
-                               session_header=self.args.session_header, session_affinity=self.args.session_affinity,
-                               saturation_queue_depth=self.args.saturation_queue_depth,
-                               max_in_flight_per_engine=self.args.max_in_flight_per_engine,
-                               engines=tuple(e.url for e in self.engines), api_key_files=tuple(self.args.api_key_file),
-                               health_check_interval_s=0.5, engine_api_key=engine_key(self.engine_args))
+        config = gateway_config(self.args, tuple(e.url for e in self.engines), self.engine_args)
         configure_logging("warning")
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):  # `up` handles the signals for the whole stack
-                yield
-
-        self.server = Server(uvicorn_config(build_app(config), config))
+        try:  # the gateway's socket first: a taken port stops `up` before any engine starts
+            listener = socket.create_server((self.args.host, self.args.port), backlog=4096)
+        except OSError as error:
+            reason = os.strerror(error.errno) if error.errno else str(error)
+            say(f"the gateway cannot listen on {self.args.host}:{self.args.port}: {reason} (is the port taken?)")
+            return 1
+        # `up` handles the signals for the whole stack; the gateway's health listener takes the socket.
+        self.server = gateway_server(build_app(config), config, handle_signals=False)
+        self.server.prebound = [listener]
         say(f"starting {len(self.engines)} engine(s) for {self.args.model!r}; gateway on "
             f"http://{self.args.host}:{self.args.port}")
         for engine in self.engines:
@@ -197,7 +217,10 @@ class Stack:
         stop = asyncio.create_task(self.stopping.wait())
         await asyncio.wait([gateway, stop], return_when=asyncio.FIRST_COMPLETED)
         if gateway.done() and not self.stopping.is_set():
-            say(f"the gateway could not serve on {self.args.host}:{self.args.port} (is the port taken?)")
+            if self.server.exit_code:  # its log line says why
+                say("the gateway's health listener process died; stopping")
+            else:
+                say(f"the gateway could not serve on {self.args.host}:{self.args.port} (is the port taken?)")
             self.exit_code = 1
         for task in (progress, *supervisors):
             task.cancel()

@@ -41,3 +41,34 @@ def test_no_engine_module_exceeds_500_lines():
                 if count > 500:
                     too_long[os.path.relpath(path, ROOT)] = count
     assert not too_long, f"engine modules over 500 lines (split them): {too_long}"
+
+
+def test_no_file_refers_to_documents_outside_the_repository():
+    outside = ("DESIGN" + ".md", "../" + "shared")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60).stdout.split(b"\0")
+    found = []
+    for name in filter(None, files):
+        path = os.path.join(ROOT, name.decode())
+        if not os.path.isfile(path) or name.endswith((b".png", b".gguf")):
+            continue
+        with open(path, "rb") as handle:
+            text = handle.read().decode("utf-8", "replace")
+        found += [f"{name.decode()}: {word}" for word in outside if word in text]
+    assert not found, found
+
+
+def test_gateway_reports_the_version_of_the_lockstep_package():
+    code = "import lockstep, lockstep_gateway; assert lockstep_gateway.__version__ == lockstep.__version__"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_shared_package_imports_only_the_standard_library():
+    """lockstep_common serves the gateway, the engine and the bare `lockstep` command: importing all of it in a fresh
+    interpreter loads no module outside the standard library and itself."""
+    code = ("import pkgutil, sys, importlib, lockstep_common; "
+            "[importlib.import_module(m.name) for m in pkgutil.iter_modules(lockstep_common.__path__, 'lockstep_common.')]; "
+            "print(sorted({n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names) - {'lockstep_common', '__main__'}))")
+    result = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

@@ -119,9 +119,12 @@ class BlockManager:
         return seq.num_computed
 
     def _shares_next_write(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether writing slots up to `num_tokens` starts in a shared, partly filled block (copy-on-write)."""
+        """Whether writing slots up to `num_tokens` starts in a shared, partly filled block (copy-on-write).
+
+        Only a fork shares a block that is written to (a prefix-cache hit shares full blocks, which no
+        sequence writes again), so only the blocks a sequence held when it forked are looked at."""
         first_write = seq.num_computed // self.block_size
-        return (first_write < len(seq.block_ids) and num_tokens > seq.num_computed
+        return (first_write < seq.num_forked_blocks and num_tokens > seq.num_computed
                 and self._blocks[seq.block_ids[first_write]].ref_count > 1)
 
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -147,9 +150,10 @@ class BlockManager:
         needs a new block only every `block_size` tokens: most calls take nothing and return at once."""
         size, held = self.block_size, len(seq.block_ids)
         num_new = -(-num_tokens // size) - held
-        # `_shares_next_write`, inlined: this runs for every row of every window.
+        # `_shares_next_write`, inlined: this runs for every row of every window, and a block looked up
+        # is a cache miss or two after a window's forward.
         first_write = seq.num_computed // size
-        copy = (first_write < held and num_tokens > seq.num_computed
+        copy = (first_write < seq.num_forked_blocks and num_tokens > seq.num_computed
                 and self._blocks[seq.block_ids[first_write]].ref_count > 1)
         if num_new <= 0 and not copy:
             return []
@@ -175,6 +179,7 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_hashed_blocks = parent.num_hashed_blocks
         child.num_computed = parent.num_computed
+        parent.num_forked_blocks = child.num_forked_blocks = len(parent.block_ids)
 
     def free(self, seq: Sequence) -> None:
         # Released back to front, so a prefix's tail is evicted before its head.
@@ -183,6 +188,7 @@ class BlockManager:
         seq.block_ids = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
+        seq.num_forked_blocks = 0
 
     # ---- prefix cache -----------------------------------------------------------------------
     def register_computed_blocks(self, seq: Sequence) -> None:

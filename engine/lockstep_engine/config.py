@@ -15,6 +15,13 @@ MAX_SCHEDULER_STEPS = 64
 # H200 at rate inf, 42.3-42.7 req/s against 39.9 with 2048 in the same call: fewer windows stop for a
 # prefill step, each with a larger chunk (docs/BENCHMARKS.md, "Served, default flags").
 DEFAULT_BATCHED_TOKENS = 8192
+# A longer prompt computes at most this many tokens per step (`long_prefill_token_threshold`), so a
+# stream decoding next to it waits one step of this many prompt tokens per token, not one step of the
+# whole prompt. Measured on one H200 (random:llama-3-8b, streams at 10 req/s with 6000-token prompts at
+# 0.6 req/s; docs/BENCHMARKS.md, "Long prompts among streams"): the streams' longest inter-token gap
+# 61 ms at 1024, 80 ms at 1536, 115 ms at 2048, 207 ms uncapped; the long prompts' TTFT p50 236, 207,
+# 199 and 178 ms. Sharegpt-shaped prompts (at most 1024 tokens) are never cut by it.
+DEFAULT_LONG_PREFILL_TOKENS = 1024
 AUTO = "auto"
 SCHEDULING_POLICIES = ("fcfs", "lof", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -84,6 +91,11 @@ class EngineConfig:
     # None: max(DEFAULT_BATCHED_TOKENS, max_num_seqs); a prompt longer than that is chunked over windows.
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # vLLM's names: a prompt with more tokens left than the threshold is long and computes at most that
+    # many per step (0: only max_num_batched_tokens chunks); at most max_long_partial_prefills long
+    # prompts are partly computed at once. Together they bound what a decoding stream waits per token.
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKENS
+    max_long_partial_prefills: int = 1
     enable_prefix_caching: bool = True
     # Order of admission from the queue: "fcfs" (arrival), or "lof" (longest output first: the largest
     # remaining max_tokens first, SGLang's --schedule-policy lof), which starts long requests early; the
@@ -134,6 +146,11 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
                      "a positive integer")
+        _require(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
+                 "long_prefill_token_threshold", self.long_prefill_token_threshold,
+                 "an integer >= 0 (0: no cap per prompt and step)")
+        _require(isinstance(self.max_long_partial_prefills, int) and self.max_long_partial_prefills >= 1,
+                 "max_long_partial_prefills", self.max_long_partial_prefills, "an integer >= 1")
         _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
                  "one of " + ", ".join(SCHEDULING_POLICIES))
         _require(isinstance(self.lof_max_wait_s, (int, float)) and not isinstance(self.lof_max_wait_s, bool)

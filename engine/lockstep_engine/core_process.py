@@ -22,6 +22,7 @@ from lockstep import protocol as p
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.engine_core import EngineCore
 from lockstep_engine.group.executor import load_engine
+from lockstep_engine.guided import TEMPLATE_ATTR
 from lockstep_engine.log import log
 from lockstep_engine.metrics import CoreMetrics
 from lockstep_engine.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ from lockstep_engine.warmup import warm_up
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.5
 METRICS_INTERVAL_S = 0.05  # step-timing snapshots while busy (cumulative: the API keeps the latest)
+_COMPILING = object()  # `CoreLoop._grammar_of`: the request waits for its grammar
 
 
 class _Writer(threading.Thread):
@@ -95,6 +97,8 @@ class CoreLoop:
         self._metrics_sent_at = 0.0
         self._seed_rng = random.Random(seed)
         self._deferred: list[p.AddRequest] = []
+        self._compiling: dict = {}  # request id -> future of its grammar (`_grammar_of`)
+        self._dropped: set[str] = set()  # aborted while their grammar compiled: dropped when they come back
         self._stopping = False
 
     # ---- messages ---------------------------------------------------------------------------
@@ -107,6 +111,7 @@ class CoreLoop:
         elif isinstance(message, p.AbortRequests):
             outputs = []
             for request_id in message.request_ids:
+                self._abort_compiling(request_id)
                 outputs += self.core.abort_request(request_id)
             if outputs:
                 self.writer.send(p.StepOutputs(outputs, time.monotonic()))
@@ -122,9 +127,14 @@ class CoreLoop:
     def _add(self, message: p.AddRequest) -> None:
         try:
             params = SamplingParams.from_dict(message.sampling)
+            template = self._grammar_of(message, params)
+            if template is _COMPILING:
+                return
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.core.config.max_model_len, seed, arrival_time=message.arrival_time)
+            if template is not None:
+                setattr(request, TEMPLATE_ATTR, template)
             self.core.add_request(request)
         except (ValueError, TypeError) as error:
             self.writer.send(p.RequestFailed(message.request_id, str(error), getattr(error, "param", None)))
@@ -133,6 +143,32 @@ class CoreLoop:
             self.core.requests.pop(message.request_id, None)
             self.writer.send(p.RequestFailed(message.request_id, f"the engine could not admit the request: "
                                                                  f"{type(error).__name__}", None, internal=True))
+
+    def _grammar_of(self, message: p.AddRequest, params: SamplingParams):
+        """The warmed grammar matcher of a guided request; `_COMPILING` while it compiles in the guide's
+        worker thread (the request comes back through the inbox when it is ready: the loop never waits
+        for a grammar); None for a request without one. Raises GuidedDecodingError (a ValueError, so the
+        request fails with a 400) for a grammar that does not compile."""
+        spec = params.guided_spec
+        prepare = getattr(self.core.executor.guide_factory, "prepare", None)
+        if spec is None or prepare is None:
+            return None
+        future = self._compiling.pop(message.request_id, None)
+        if future is None:
+            if message.request_id in self._dropped:  # aborted while its grammar compiled
+                self._dropped.discard(message.request_id)
+                return _COMPILING
+            future = prepare(spec)
+            if not future.done():
+                self._compiling[message.request_id] = future
+                future.add_done_callback(lambda _: self.reader.inbox.put(message))
+                return _COMPILING
+        return future.result()
+
+    def _abort_compiling(self, request_id: str) -> None:
+        """An abort for a request whose grammar still compiles: it is dropped when it comes back."""
+        if self._compiling.pop(request_id, None) is not None:
+            self._dropped.add(request_id)
 
     def _drain(self, block: bool, in_window: bool) -> None:
         try:
@@ -147,9 +183,9 @@ class CoreLoop:
                 return
 
     # ---- the loop ---------------------------------------------------------------------------
-    def _emit(self, outputs) -> None:
-        if outputs:
-            self.writer.send(p.StepOutputs(outputs, time.monotonic()))
+    def _emit(self, step: p.StepOutputs) -> None:
+        if step.outputs or step.batch is not None:
+            self.writer.send(step)
         self._send_failures()
         self.progress_at = time.monotonic()
         # Aborts and stop strings take effect inside the window: fewer wasted steps.
@@ -229,7 +265,8 @@ def run_engine_core(config, requests_conn, outputs_conn) -> None:
     except Exception as error:  # anything at load time: report it, the API server exits non-zero
         writer.send(p.CoreFailed(f"loading {config.model!r} failed: {error}"))
         writer.flush(5.0)
-        traceback.print_exc()
+        if not isinstance(error, ValueError):  # a bad source, flag or limit is the user's: its message says it all
+            traceback.print_exc()
         sys.exit(1)
     loop.core = core
     reader.start()

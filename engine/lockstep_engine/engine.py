@@ -6,7 +6,7 @@ import itertools
 import random
 import time
 
-from lockstep.protocol import SequenceOutput
+from lockstep.protocol import SequenceOutput, StepOutputs
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.engine_core import EngineCore
 from lockstep_engine.group.executor import load_engine
@@ -81,7 +81,8 @@ class LLMEngine:
 
     def step(self, on_step=None) -> list[RequestOutput]:
         """Runs one window; returns the requests it changed. `on_step(outputs)` sees every step."""
-        def emit(outputs: list[SequenceOutput]) -> None:
+        def emit(step: StepOutputs) -> None:
+            outputs = list(step.all_outputs())
             for output in outputs:
                 self._apply(output)
             if on_step is not None:

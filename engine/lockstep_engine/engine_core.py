@@ -20,13 +20,13 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from lockstep.protocol import RequestFailed, SequenceOutput, TokenLogprobs
+from lockstep.protocol import RequestFailed, SequenceOutput, StepOutputs, TokenBatch, TokenLogprobs
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.group.executor import Executor
 from lockstep_engine.log import log
 from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_STOP, StepOutput, WindowTimings
-from lockstep_engine.scheduler import Scheduler, SchedulerLimits, WindowPlan
+from lockstep_engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, WindowPlan
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
 
 
@@ -97,9 +97,14 @@ class EngineCore:
             SchedulerLimits(max_num_seqs=config.max_num_seqs * micro, max_num_batched_tokens=batched,
                             max_model_len=config.max_model_len, num_scheduler_steps=config.num_scheduler_steps,
                             enable_chunked_prefill=config.enable_chunked_prefill,
-                            scheduling_policy=config.scheduling_policy, lof_max_wait_s=config.lof_max_wait_s),
+                            scheduling_policy=config.scheduling_policy, lof_max_wait_s=config.lof_max_wait_s,
+                            long_prefill_token_threshold=config.long_prefill_token_threshold,
+                            max_long_partial_prefills=config.max_long_partial_prefills),
             self.blocks)
         self.requests: dict[str, Request] = {}
+        # Requests with n > 1 whose samples are not forked yet, in arrival order: a window looks at these
+        # alone, not at every request.
+        self._unforked: dict[Request, None] = {}
         self.stats = CoreStats()
         self._in_flight: WindowPlan | None = None
         self._pending_release: list[Sequence] = []  # finished; blocks freed when no window is in flight
@@ -115,6 +120,8 @@ class EngineCore:
             raise ValueError(f"prompt of {request.prompt_len} tokens does not fit the KV cache "
                              f"({capacity} token slots)")
         self.requests[request.request_id] = request
+        if not request.forked:
+            self._unforked[request] = None
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> list[SequenceOutput]:
@@ -195,21 +202,25 @@ class EngineCore:
             done = request.is_finished or request.aborted and all(s.is_finished for s in request.sequences)
             if done and self.requests.get(request.request_id) is request:
                 del self.requests[request.request_id]
+                self._unforked.pop(request, None)
 
-    def step(self, emit: Callable[[list[SequenceOutput]], None],
+    def step(self, emit: Callable[[StepOutputs], None],
              should_cut: Callable[[], bool] | None = None) -> WindowTimings | None:
-        """Plans and runs one window; `emit` receives each step's outputs as the step completes.
+        """Plans and runs one window; `emit` receives each step's outputs as the step completes (its
+        common rows as one `TokenBatch`, `_WindowRows`).
 
         `should_cut` (where the executor can cut windows): asked between steps; True ends the window
         after the steps launched so far, e.g. because a request arrived that the next window can admit.
         With `arrival_cuts`, a window that computes part of a prompt (or a prompt whose samples fork
         after it) also ends after its first step: the next chunk need not wait for the window's end."""
         started = time.perf_counter()
-        for request in [r for r in self.requests.values() if not r.forked]:
+        for request in list(self._unforked):
             try:
                 self.scheduler.fork_ready_requests([request])
             except Exception:
                 self.fail_request(request.request_id, "forking its samples")
+            if request.forked:
+                self._unforked.pop(request, None)
         plan = self.scheduler.schedule()
         if plan is not None:
             plan = self._prepare(plan)
@@ -225,8 +236,9 @@ class EngineCore:
                 if row.seq.index == 0:  # forked samples inherit the request's wait
                     self.stats.queue_times_s.append(now - row.seq.request.arrival_time)
         self.stats.first_step_tokens.append(sum(row.num_new_tokens for row in plan.rows))
-        sampling = plan.sampling_rows
-        accepted = [0] * len(sampling)
+        columns_start = time.perf_counter()
+        rows = _WindowRows(plan.sampling_rows, self._pending_release)
+        columns_s = time.perf_counter() - columns_start  # output work of the window: counted as such
 
         def on_step(step: StepOutput) -> None:
             if step.prompt_logprobs is not None:
@@ -237,21 +249,21 @@ class EngineCore:
                     except Exception:
                         self.fail_request(request.request_id, "taking its prompt logprobs")
                 return
+            tokens = list(step.tokens)  # the runner's list is also its guide's input: not changed here
             outputs = []
-            for i, token in enumerate(step.tokens):
-                if token < 0:
+            for i in rows.per_row_now(step.finish):
+                token, seq = tokens[i], rows.seqs[i]
+                tokens[i] = -1  # out of the batch
+                if token < 0 or seq.is_finished:  # done at an earlier step, or stopped or aborted since
                     continue
-                seq = sampling[i].seq
-                if seq.is_finished:
-                    continue  # stopped or aborted by the host earlier in this window
-                accepted[i] += 1
                 try:
                     outputs.append(self._append_token(seq, token, step, i))
                 except Exception:
                     self.fail_request(seq.request.request_id, "taking its sampled token")
-            self.stats.num_generated_tokens += len(outputs)
-            self.stats.step_batch_sizes.append(len(sampling))
-            emit(outputs)
+            batch = rows.append_batch(tokens)
+            self.stats.num_generated_tokens += len(outputs) + (len(tokens) - tokens.count(-1))
+            self.stats.step_batch_sizes.append(len(tokens))
+            emit(StepOutputs(outputs, time.monotonic(), batch))
 
         cut = False
         prompt_left = self.config.arrival_cuts and not all(row.samples for row in plan.rows)
@@ -270,13 +282,8 @@ class EngineCore:
         update_start = time.perf_counter()
         executed = timings.num_steps
         self.stats.num_cut_windows += cut
-        accepted_by_row = iter(accepted)  # sampling rows are the plan's rows that sample, in order
-        for row in plan.rows:
-            num_sampled = next(accepted_by_row) if row.samples else 0
-            if row.samples and row.seq.is_finished:
-                # It finished before the window's last step but kept computing: those tokens were wasted.
-                self.stats.num_wasted_tokens += max(executed - num_sampled, 0)
-            self.scheduler.complete_row(row, num_sampled)
+        self.stats.num_wasted_tokens += self.scheduler.complete_rows(plan.rows, _per_row(plan.rows, rows.accepted()),
+                                                                     executed)
         self._release_finished()
         self._busy = self.scheduler.has_work()  # the next window follows at once: its wait is a gap
         stats = self.stats
@@ -285,6 +292,7 @@ class EngineCore:
         stats.window_steps.append(plan.num_steps)
         stats.num_prompt_tokens_computed += sum(r.num_new_tokens for r in plan.rows if r.num_new_tokens > 1)
         stats.schedule_s += schedule_s
+        timings.output_s += columns_s
         stats.record_timings(timings)
         if self.config.is_adaptive:
             for timed in timings.steps:
@@ -346,3 +354,60 @@ class EngineCore:
         return SequenceOutput(seq.request.request_id, seq.index, [token], logprobs, finish, stop_reason,
                               seq.request.num_cached_tokens, scheduled_at=seq.first_scheduled_time,
                               prompt_logprobs=prompt)
+
+
+class _WindowRows:
+    """A window's sampling rows for its steps' outputs. Most rows of a decode step need only their token
+    appended and sent; those go out as one `TokenBatch`, whose columns other than the tokens are built
+    here once per window. The others (`per_row_now`) take `EngineCore._append_token`, one by one."""
+
+    def __init__(self, sampling: list[ScheduledSeq], finished: list[Sequence]):
+        self.seqs = seqs = [row.seq for row in sampling]
+        self._appends = [seq.token_ids.append for seq in seqs]
+        self._start_lens = [len(seq.token_ids) for seq in seqs]
+        self._columns = ([seq.request.request_id for seq in seqs], [seq.index for seq in seqs],
+                         [seq.request.num_cached_tokens for seq in seqs], [seq.first_scheduled_time for seq in seqs])
+        # Logprobs, or a first token (its time; the request's prompt logprobs go with it): every step.
+        self._always = [i for i, seq in enumerate(seqs) if seq.request.params.logprobs is not None
+                        or seq.first_token_time is None or len(seq.token_ids) == seq.prompt_len]
+        # The core's finished sequences grow while a window is in flight (they are released after it):
+        # a row whose sequence is among them sends nothing more.
+        self._finished, self._num_seen = finished, len(finished)
+        self._row_of = {seq: i for i, seq in enumerate(seqs)}
+        self._done = [i for i, seq in enumerate(seqs) if seq.is_finished]
+
+    def per_row_now(self, finish: list[int] | None) -> list[int]:
+        """The rows this step that take the per-row path: those of `_always` and those that finish."""
+        if not finish or not any(finish):
+            return self._always
+        return sorted({*self._always, *(i for i, code in enumerate(finish) if code)})
+
+    def append_batch(self, tokens: list[int]) -> TokenBatch | None:
+        """Appends the tokens of the rows still running (-1: none) and returns them as the step's batch."""
+        self._take_finished()
+        for i in self._done:
+            tokens[i] = -1
+        for append, token in zip(self._appends, tokens):
+            if token >= 0:
+                append(token)
+        return TokenBatch(*self._columns, tokens) if tokens.count(-1) < len(tokens) else None
+
+    def _take_finished(self) -> None:
+        finished = self._finished
+        for seq in finished[self._num_seen:]:
+            i = self._row_of.get(seq)
+            if i is not None:
+                self._done.append(i)
+        self._num_seen = len(finished)
+
+    def accepted(self) -> list[int]:
+        """Tokens each row took this window."""
+        return [len(seq.token_ids) - n for seq, n in zip(self.seqs, self._start_lens)]
+
+
+def _per_row(rows: list[ScheduledSeq], accepted: list[int]) -> list[int]:
+    """Tokens accepted per plan row, from those per sampling row (the plan's rows that sample, in order)."""
+    if len(accepted) == len(rows):
+        return accepted
+    by_sampling_row = iter(accepted)
+    return [next(by_sampling_row) if row.samples else 0 for row in rows]

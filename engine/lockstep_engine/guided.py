@@ -6,18 +6,35 @@ llama.cpp use for the same job. Here each guided sequence carries its own `LLMat
 `guided_matcher`), so its grammar state survives across windows and preemption; a window's `Guide`
 turns the matchers' bitmasks into one `[rows, vocab]` bool mask on the device per step and feeds
 every sampled token back.
+
+A grammar compiles off the core's loop: `prepare` builds a sequence's first matcher in a worker
+thread (llguidance drops the GIL while it builds the lexer, and the first mask, which builds most of
+it, is computed there too); the core process holds the request back until it is ready
+(core_process.py), and every sequence of that grammar then starts from a copy of it. A 100,000-choice
+list takes about a second there; the other streams go on meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from lockstep_engine.guided_schema import GuidedDecodingError, compile_guided, is_available, llguidance_module
+from lockstep_engine.guided_schema import (
+    GuidedDecodingError,
+    compile_guided,
+    grammar_for,
+    is_available,
+    llguidance_module,
+)
 
 MATCHER_ATTR = "guided_matcher"
+TEMPLATE_ATTR = "guided_template"  # on a Request: the warmed matcher its sequences copy (`prepare`)
+MAX_TEMPLATES = 64  # warmed matchers kept for requests with the same grammar
 
 
 class GuidedDecoding:
@@ -37,18 +54,50 @@ class GuidedDecoding:
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
         self._grammars: dict[str, str] = {}  # guided spec JSON -> compiled grammar
+        self._templates: OrderedDict[str, object] = OrderedDict()  # guided spec JSON -> warmed matcher
+        self._templates_lock = threading.Lock()
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+
+    def prepare(self, spec: dict) -> Future:
+        """A future of the warmed matcher for `spec` (GuidedDecodingError when it cannot compile), built
+        in the worker thread unless one for the same grammar is kept already."""
+        return self._compiler.submit(self._template, spec)
+
+    def _template(self, spec: dict):
+        key = json.dumps(spec, sort_keys=True)
+        with self._templates_lock:
+            template = self._templates.get(key)
+            if template is not None:
+                self._templates.move_to_end(key)
+                return template
+        template = self._llguidance.LLMatcher(self.tokenizer, grammar_for(spec), log_level=0)
+        words = (self.vocab_size + 31) // 32
+        first = np.zeros(words, dtype=np.int32)
+        if not template.is_error():
+            template.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
+        if template.is_error():
+            raise GuidedDecodingError(f"{next(iter(spec))}: {template.get_error().splitlines()[0]}")
+        with self._templates_lock:
+            self._templates[key] = template
+            while len(self._templates) > MAX_TEMPLATES:
+                self._templates.popitem(last=False)
+        return template
 
     def matcher_for(self, seq):
         """The sequence's matcher, created on first use and caught up with tokens it already has."""
         matcher = getattr(seq, MATCHER_ATTR, None)
         if matcher is None:
-            spec = seq.request.params.guided_spec
-            key = json.dumps(spec, sort_keys=True)
-            grammar = self._grammars.get(key)
-            if grammar is None:
-                grammar = self._grammars[key] = compile_guided(spec)
-            matcher = self._llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            template = getattr(seq.request, TEMPLATE_ATTR, None)
+            if template is not None:
+                matcher = template.deep_copy()
+            else:  # a rank that was not asked to `prepare` (a worker of a group): compiled here, in the window
+                spec = seq.request.params.guided_spec
+                key = json.dumps(spec, sort_keys=True)
+                grammar = self._grammars.get(key)
+                if grammar is None:
+                    grammar = self._grammars[key] = compile_guided(spec)
+                matcher = self._llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
             for token in seq.output_token_ids:
                 matcher.consume_token(token)
             setattr(seq, MATCHER_ATTR, matcher)

@@ -1,5 +1,5 @@
 """Sampling on the device, with no host sync: greedy, temperature, top-k/top-p/min-p, penalties,
-logit bias, min_tokens, logprobs.
+logit bias, min_tokens, bad words, logprobs.
 
 Random draws are counter-based: the noise for a token is a hash of (row seed, output index, token
 id), so a seeded request gets the same tokens whatever its batch, window length or preemptions.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK64 = (1 << 64) - 1
+ANY_TOKEN = -2  # in a bad word's right-aligned prefix: the place before a shorter word's first token
 
 
 def _signed(value: int) -> int:
@@ -69,6 +70,10 @@ class SamplingTensors:
     all_greedy: bool
     any_filter: bool
     num_logprobs: int  # top logprobs to return (max over rows); -1: no row wants logprobs
+    # Bad words of several tokens (`step_inputs.bad_word_arrays`), None when no row has one:
+    bad_rows: torch.Tensor | None = None  # [words] int64: the sampling row of each
+    bad_last: torch.Tensor | None = None  # [words] int64: the token banned after the others
+    bad_prefix: torch.Tensor | None = None  # [words, H] int64: the others, right-aligned, ANY_TOKEN-padded
 
 
 @dataclass
@@ -82,14 +87,18 @@ class SampleOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors, num_generated: torch.Tensor,
-                 output_counts: torch.Tensor | None, allowed: torch.Tensor | None = None) -> SampleOutput:
+                 output_counts: torch.Tensor | None, allowed: torch.Tensor | None = None,
+                 recent: torch.Tensor | None = None) -> SampleOutput:
         # logits: [rows, vocab] float32; num_generated: [rows] output tokens so far;
-        # allowed: [rows, vocab] bool from guided decoding (None: unconstrained)
+        # allowed: [rows, vocab] bool from guided decoding (None: unconstrained);
+        # recent: [rows, H] the latest outputs, with bad words of several tokens (`ban_bad_words`)
         raw = logits
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
         if t.logit_bias is not None:
             logits = logits + t.logit_bias
+        if t.bad_last is not None:
+            logits = ban_bad_words(logits, t, recent)
         if t.stop_ids.shape[1]:
             # min_tokens: a stop token may not be sampled before the row has min_tokens outputs
             ban = (num_generated < t.min_tokens).unsqueeze(1) & (t.stop_ids >= 0)
@@ -132,6 +141,17 @@ class Sampler:
         out.ranks = (logprobs > chosen).sum(dim=-1) + 1
         if k > 0:
             out.top_logprobs, out.top_ids = logprobs.topk(k, dim=-1)
+
+
+def ban_bad_words(logits: torch.Tensor, t: SamplingTensors, recent: torch.Tensor) -> torch.Tensor:
+    """vLLM's bad words of several tokens: a word's last token goes to -inf in a row whose latest outputs
+    are the word's other tokens. On the device: `recent` advances with every sampled token, so a word
+    whose tokens straddle steps or windows is caught at every N alike."""
+    seen = recent.index_select(0, t.bad_rows)  # [words, H]
+    match = ((seen == t.bad_prefix) | (t.bad_prefix == ANY_TOKEN)).all(dim=1)
+    penalty = torch.zeros(match.shape, dtype=logits.dtype, device=logits.device).masked_fill(match, float("-inf"))
+    # Two words of a row may ban the same token: accumulate (-inf + -inf stays -inf), never overwrite.
+    return logits.index_put((t.bad_rows, t.bad_last), penalty, accumulate=True)
 
 
 def _filter(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

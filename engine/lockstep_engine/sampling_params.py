@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lockstep_engine.config import ConfigError
@@ -13,6 +13,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_MASK_TOKEN_IDS = 1 << 18  # allowed_token_ids: a whole vocabulary fits
+MAX_BAD_WORD_SEQUENCES = 256  # bad_words_token_ids: two spellings of 128 words
+MAX_BAD_WORD_TOKENS = 32  # tokens of one bad word: the window keeps each row's last 31 outputs on the device
 
 
 class SamplingParamsError(ConfigError):
@@ -67,6 +70,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token after the first (the prompt's own added)
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    # vLLM's tokenized `bad_words`: a sequence's last token is never sampled right after its other tokens
+    # (a one-token sequence is never sampled at all); the tokens before it are outputs, never the prompt.
+    bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len); the API applies it
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     json_schema: dict | None = None  # guided decoding; None: unconstrained
@@ -127,9 +135,61 @@ class SamplingParams:
                 _check(_is_int64(token), "logit_bias", token, "non-negative token ids as keys")
                 _check(_is_number(bias) and -100.0 <= bias <= 100.0, "logit_bias", bias, "biases in [-100, 100]")
 
+        ids = self.allowed_token_ids
+        if ids is not None:
+            _check(isinstance(ids, list) and 0 < len(ids) <= MAX_MASK_TOKEN_IDS, "allowed_token_ids",
+                   f"<{len(ids)} ids>" if isinstance(ids, list) else ids,
+                   f"a list of 1 to {MAX_MASK_TOKEN_IDS} token ids")
+            bad = next((t for t in ids if not _is_int64(t)), None)
+            _check(bad is None, "allowed_token_ids", bad, "non-negative token ids")
+        self._validate_bad_words()
+        if self.truncate_prompt_tokens is not None:
+            _check(_is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
+                                                              or self.truncate_prompt_tokens == -1),
+                   "truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 (max_model_len) or a positive integer")
+
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words_token_ids
+        if words is None:
+            return
+        _check(isinstance(words, list) and len(words) <= MAX_BAD_WORD_SEQUENCES, "bad_words_token_ids",
+               f"<{len(words)} sequences>" if isinstance(words, list) else words,
+               f"a list of at most {MAX_BAD_WORD_SEQUENCES} token-id lists")
+        bad = next((w for w in words if not isinstance(w, list) or not 0 < len(w) <= MAX_BAD_WORD_TOKENS
+                    or not all(map(_is_int64, w))), None)
+        _check(bad is None, "bad_words_token_ids", bad,
+               f"lists of 1 to {MAX_BAD_WORD_TOKENS} non-negative token ids")
+
+    @property
+    def single_token_bad_words(self) -> list[int]:
+        """Tokens never sampled: the bad words of one token (the logit bias masks them)."""
+        return [word[0] for word in self.bad_words_token_ids or () if len(word) == 1]
+
+    @property
+    def multi_token_bad_words(self) -> list[tuple[int, ...]]:
+        """Bad words of several tokens, deduplicated: the window bans each one's last token on the device
+        where the row's latest outputs are its other tokens (`sampler.ban_bad_words`)."""
+        return list(dict.fromkeys(tuple(word) for word in self.bad_words_token_ids or () if len(word) > 1))
+
+    def masked_logit_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """`logit_bias` with the tokens that `allowed_token_ids` leaves out and the one-token bad words at
+        -inf, as vLLM masks them: the runner adds it to the logits at every step of a window."""
+        banned = self.single_token_bad_words
+        if not self.allowed_token_ids and not banned:
+            return self.logit_bias or None
+        bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids:
+            allowed = set(self.allowed_token_ids)
+            bias = {token: value for token, value in bias.items() if token in allowed}
+            bias.update(dict.fromkeys((t for t in range(vocab_size) if t not in allowed), -math.inf))
+        bias.update(dict.fromkeys(banned, -math.inf))
+        return bias
+
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain data, as `lockstep.protocol.AddRequest.sampling` carries them."""
-        return asdict(self)
+        """The fields as plain data, as `lockstep.protocol.AddRequest.sampling` carries them. Shallow: the
+        message is pickled anyway, and `asdict`'s deep copy of a 100,000-choice list took a second of the
+        API process's event loop."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

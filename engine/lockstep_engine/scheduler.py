@@ -66,6 +66,11 @@ class SchedulerLimits:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", "lof" (longest remaining max_tokens first) or "priority"
     lof_max_wait_s: float = 2.0  # under lof, a sequence waiting longer goes ahead of fresh ones, by arrival
+    # A prompt with more than this many tokens left to compute is long: it computes at most this many
+    # per step (vLLM V1's cap), so the rows decoding next to it wait one bounded step for each chunk.
+    # 0: no cap (the step budget alone chunks).
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1  # long prompts partly computed at once; the next waits its turn
 
 
 def _arrival(seq: Sequence) -> float:
@@ -207,14 +212,28 @@ class Scheduler:
             todo = seq.request.prompt_len - 1 - computed
             if todo <= 0 or budget <= 0 or todo > budget and not self.limits.enable_chunked_prefill:
                 return None
-            return ScheduledSeq(seq, min(todo, budget), False, 0, computed, 0)
+            return ScheduledSeq(seq, min(todo, budget, self._chunk_cap(todo)), False, 0, computed, 0)
         todo = num_tokens - computed
         if todo <= 0 or budget <= 0:
             return None
+        if todo > 1:  # a prompt (a decode row's todo is 1)
+            budget = min(budget, self._chunk_cap(todo))
         if todo > budget:  # a prefill chunk
             return ScheduledSeq(seq, budget, False, 0, computed, 0) if self.limits.enable_chunked_prefill else None
         remaining = seq.max_num_tokens - num_tokens
-        return ScheduledSeq(seq, todo, True, max(1, min(num_steps, remaining)), computed, remaining)
+        steps = num_steps if remaining >= num_steps else max(remaining, 1)  # most rows: no min/max call
+        return ScheduledSeq(seq, todo, True, steps, computed, remaining)
+
+    def _chunk_cap(self, todo: int) -> int:
+        """The most tokens a prompt with `todo` left may compute in one step."""
+        threshold = self.limits.long_prefill_token_threshold
+        return threshold if 0 < threshold < todo and self.limits.enable_chunked_prefill else todo
+
+    def _is_long_prefill(self, seq: Sequence) -> bool:
+        """A prompt whose computation the threshold chunks (counted against max_long_partial_prefills)."""
+        threshold = self.limits.long_prefill_token_threshold
+        target = len(seq.token_ids) if seq.request.forked else seq.request.prompt_len - 1
+        return 0 < threshold < target - seq.num_computed and self.limits.enable_chunked_prefill
 
     @staticmethod
     def _slots_needed(row: ScheduledSeq) -> int:
@@ -240,6 +259,7 @@ class Scheduler:
         # Running sequences first, oldest first (under priority: in priority order); the last are
         # preempted when blocks run out.
         running, plan_row, try_reserve = self.running, self._plan_row, self.blocks.try_reserve
+        num_long = 0  # long prompts partly computed (running ones continue whatever their number)
         index = 0
         while index < len(running):
             seq = running[index]
@@ -247,6 +267,8 @@ class Scheduler:
             if row is None:
                 index += 1
                 continue
+            if not row.samples and row.num_new_tokens > 1 and self._is_long_prefill(seq):
+                num_long += 1
             need = self._slots_needed(row)
             reserved = try_reserve(seq, need)
             while reserved is None and running[-1] is not seq:
@@ -273,10 +295,16 @@ class Scheduler:
                 self.blocks.allocate_cached_prefix(seq)
                 if seq.index == 0 and seq.num_preemptions == 0:
                     seq.request.num_cached_tokens = seq.num_computed
+            # A long prompt waits while max_long_partial_prefills others are partly computed, and the
+            # queue behind it waits too (its order is kept).
+            long = self._is_long_prefill(seq)
+            if long and num_long >= self.limits.max_long_partial_prefills:
+                break
             row = self._plan_row(seq, budget, num_steps)
             reserved = self.blocks.try_reserve(seq, self._slots_needed(row)) if row is not None else None
             if reserved is None:
                 break
+            num_long += long
             self.waiting.popleft()
             self._aged.discard(seq.seq_id)
             copies += reserved
@@ -295,13 +323,28 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def complete_row(self, row: ScheduledSeq, num_sampled: int) -> None:
         """Records that a row fed its step-1 tokens and then `num_sampled - 1` sampled tokens."""
-        seq = row.seq
-        seq.num_computed = computed = row.start_computed + row.num_new_tokens + max(num_sampled - 1, 0)
-        # Only a block the window filled enters the prefix cache: most decode windows fill none.
+        self.complete_rows([row], [num_sampled], 0)
+
+    def complete_rows(self, rows: list[ScheduledSeq], sampled: list[int], executed: int) -> int:
+        """`complete_row` for a window's rows (`sampled`: each row's sampled tokens, 0 where it does not
+        sample) in one pass: it runs for every row of every window. Returns the tokens wasted: the steps
+        of the `executed` that a sampling row whose sequence finished computed after its last token."""
         blocks = self.blocks
-        if (computed >= (seq.num_hashed_blocks + 1) * blocks.block_size and blocks.enable_prefix_caching
-                and not seq.is_finished):
-            blocks.register_computed_blocks(seq)
+        size, caching = blocks.block_size, blocks.enable_prefix_caching
+        wasted = 0
+        for row, num_sampled in zip(rows, sampled):
+            seq = row.seq
+            computed = row.start_computed + row.num_new_tokens
+            if num_sampled:
+                computed += num_sampled - 1
+            seq.num_computed = computed
+            # A row that sampled every step did not finish early: most rows look no further.
+            if num_sampled < executed and row.samples and seq.is_finished:
+                wasted += executed - num_sampled
+            # Only a block the window filled enters the prefix cache: most decode windows fill none.
+            if caching and computed >= (seq.num_hashed_blocks + 1) * size and not seq.is_finished:
+                blocks.register_computed_blocks(seq)
+        return wasted
 
     def fork_ready_requests(self, requests: list[Request]) -> None:
         """Splits a request with n > 1 into its n samples once the shared prompt is computed."""

@@ -43,6 +43,7 @@ class Sequence:
     # runner's block table keeps the entries of a list it saw before (`runner.step_inputs.BlockTables`).
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_forked_blocks: int = 0  # leading blocks it shared with its siblings at the fork (copy-on-write)
     block_hashes: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None

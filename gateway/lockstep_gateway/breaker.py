@@ -3,7 +3,11 @@ gateway-wide retry budget. Plain state with the clock passed in, so tests need n
 
 * `CircuitBreaker`: `threshold` failed attempts in a row open it; while open the engine gets no
   requests; after `cooldown_s` it is half-open and lets one probe through: a success closes it, a
-  failure opens it for another cool-down (Envoy's consecutive-5xx outlier detection).
+  failure opens it for another cool-down (Envoy's consecutive-5xx outlier detection). What counts
+  as a failure is the proxy's call, as Envoy's: connection failures, resets, timeouts and 5xx
+  answers; not a 503 the engine marks retryable (it refused the request unstarted, and another
+  engine is tried), nor a 500 the engine marks as caused by the request
+  (`X-Lockstep-Request-Fault`), which resets the count like a success.
 * `RetryBudget`: retries in progress may not exceed `ratio` of the requests in progress, with a
   floor of `minimum` (Envoy's retry budget: 20 %, at least 3), so an outage never doubles the load.
 """

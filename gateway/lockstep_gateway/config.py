@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-ROUTING_POLICIES = ("least-load", "round-robin")
+ROUTING_POLICIES = ("least-load", "round-robin", "prefix-aware")
 DEFAULT_LABEL_SELECTOR = "app.kubernetes.io/component=engine-leader"
 
 
@@ -25,7 +25,7 @@ class GatewayConfig:
     kubernetes_label_selector: str = DEFAULT_LABEL_SELECTOR
     kubeconfig: str | None = None
     # routing
-    routing: str = "least-load"
+    routing: str = "prefix-aware"  # least-load when a prompt shares no prefix (docs/BENCHMARKS.md)
     session_header: str = "x-session-id"
     session_affinity: bool = True
     # engine health and load
@@ -38,6 +38,9 @@ class GatewayConfig:
     saturation_queue_depth: int = 256
     max_in_flight_per_engine: int = 0
     max_in_flight: int = 4096
+    # flow control: requests no engine can take yet wait in a queue per model
+    max_queue_length: int = 1024
+    queue_timeout_s: float = 60.0
     # upstream timeouts and retries
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 120.0
@@ -66,13 +69,15 @@ class GatewayConfig:
         _check(self.routing in ROUTING_POLICIES, "--routing", self.routing, " | ".join(ROUTING_POLICIES))
         for name in ("health_check_interval_s", "health_check_timeout_s", "metrics_interval_s", "metrics_stale_s",
                      "connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "breaker_cooldown_s",
-                     "header_timeout_s", "body_timeout_s"):
+                     "header_timeout_s", "body_timeout_s", "queue_timeout_s"):
             _check(getattr(self, name) > 0, _flag(name), getattr(self, name), "> 0 seconds")
         for name in ("unhealthy_threshold", "healthy_threshold", "retry_after_s", "breaker_failures"):
             _check(getattr(self, name) >= 1, _flag(name), getattr(self, name), ">= 1")
         for name in ("saturation_queue_depth", "max_in_flight_per_engine", "max_in_flight", "max_retries",
                      "retry_budget_min", "rate_limit_rpm", "rate_limit_tpm"):
             _check(getattr(self, name) >= 0, _flag(name), getattr(self, name), ">= 0 (0 = no limit)")
+        _check(self.max_queue_length >= 0, "--max-queue-length", self.max_queue_length,
+               ">= 0 (0 = no queue: 503 at once when no engine can take a request)")
         _check(0 <= self.retry_budget_ratio <= 1, "--retry-budget-ratio", self.retry_budget_ratio, "0..1")
         for proxy in self.trusted_proxies:
             try:

@@ -26,6 +26,9 @@ import httpx
 log = logging.getLogger("lockstep.gateway")
 
 SetEndpoints = Callable[[str, list[str]], None]
+DeclareModels = Callable[[str, list[str]], None]
+# The operator labels each leader Service with its served model; EndpointSlices carry Service labels.
+SERVED_MODEL_LABEL = "serving.lockstep.dev/served-model-name"
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 ENGINE_PORT_NAME = "http"
 
@@ -103,6 +106,11 @@ def apply_event(slices: dict[str, list[str]], event: dict[str, Any]) -> str | No
     elif kind == "DELETED":
         slices.pop(name, None)
     return metadata.get("resourceVersion")
+
+
+def slice_model(endpoint_slice: dict[str, Any]) -> str | None:
+    """The model the slice's Service serves, endpoints or not (a service scaled to zero has none)."""
+    return ((endpoint_slice.get("metadata") or {}).get("labels") or {}).get(SERVED_MODEL_LABEL)
 
 
 def slice_key(endpoint_slice: dict[str, Any]) -> str:
@@ -185,8 +193,10 @@ class KubernetesDiscovery:
     """One list-then-watch loop over `namespace`, or over every namespace when it is None."""
 
     def __init__(self, api: KubeAPI, namespace: str | None, label_selector: str, set_endpoints: SetEndpoints,
-                 retry_s: float = 1.0):
+                 retry_s: float = 1.0, declare_models: DeclareModels | None = None):
         self.api = api
+        self.declare_models = declare_models
+        self.models: dict[str, str] = {}  # slice -> the served model its Service's label names
         self.namespace = namespace
         self.label_selector = label_selector
         self.set_endpoints = set_endpoints
@@ -224,6 +234,7 @@ class KubernetesDiscovery:
         response.raise_for_status()
         body = response.json()
         self.slices = {slice_key(item): slice_endpoints(item) for item in body.get("items", [])}
+        self.models = {slice_key(item): model for item in body.get("items", []) if (model := slice_model(item))}
         self.resource_version = body["metadata"]["resourceVersion"]
         self.num_lists += 1
         self._publish()
@@ -246,6 +257,12 @@ class KubernetesDiscovery:
                     raise ValueError(f"watch error: {status.get('message')}")
                 changed = event.get("type") != "BOOKMARK"
                 version = apply_event(self.slices, event) if changed else event["object"]["metadata"]["resourceVersion"]
+                if changed and event.get("type") != "ERROR":
+                    key, model = slice_key(event.get("object") or {}), slice_model(event.get("object") or {})
+                    if event.get("type") == "DELETED" or model is None:
+                        self.models.pop(key, None)
+                    else:
+                        self.models[key] = model
                 if version:
                     self.resource_version = version
                 if changed:
@@ -253,3 +270,5 @@ class KubernetesDiscovery:
 
     def _publish(self) -> None:
         self.set_endpoints(self.source, endpoint_union(self.slices))
+        if self.declare_models is not None:
+            self.declare_models(self.source, sorted(set(self.models.values())))

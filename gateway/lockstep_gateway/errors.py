@@ -1,25 +1,12 @@
-"""OpenAI-shaped errors, `{"error": {"message", "type", "param", "code"}}`, as the engine server writes them."""
+"""The gateway's errors: `GatewayError` and its OpenAI-shaped responses and stream-ending events (the shape is
+`lockstep_common.errors`, as the engine server writes it)."""
 
 from __future__ import annotations
 
 import json
-from http import HTTPStatus
 
+from lockstep_common.errors import error_body
 from starlette.responses import JSONResponse
-
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
 
 
 class GatewayError(Exception):
@@ -29,11 +16,6 @@ class GatewayError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
 def error_response(error: GatewayError, request_id: str | None = None) -> JSONResponse:

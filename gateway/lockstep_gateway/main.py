@@ -4,25 +4,41 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
+import time
+from http import HTTPStatus
+
+from lockstep_common.argparsing import ArgumentParser, port_number
+from lockstep_common.errors import error_body
+from lockstep_common.sockets import bind_sockets, die_with_parent
 
 from lockstep_gateway.auth import read_key_file
 from lockstep_gateway.config import ROUTING_POLICIES, ConfigError, GatewayConfig
+from lockstep_gateway.workers import supervise
 
 DEFAULTS = GatewayConfig()
+BACKLOG = 4096  # bursts of connections
+MAX_HEADER_BYTES = 64 << 10  # a request line and headers larger than this get 431 (httptools sets no limit)
+INVALID_HTTP_MESSAGE = ("the request is not valid HTTP/1.1: a malformed request line or header, or bytes after "
+                        "the body its Content-Length announced")
 ENV_ENGINE_KEY = "LOCKSTEP_ENGINE_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lockstep gateway", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog="lockstep gateway", description=__doc__.split("\n")[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=DEFAULTS.host)
-    server.add_argument("--port", type=int, default=DEFAULTS.port)
+    server.add_argument("--port", type=port_number, default=DEFAULTS.port, help="1-65535")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument("--workers", type=int, default=1,
+                        help="gateway processes serving the port (SO_REUSEPORT), each with its own routing state "
+                             "and limits; about one per core")
+    server.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     discovery = parser.add_argument_group("discovery (any combination)")
     discovery.add_argument("--engine", action="append", default=[], metavar="URL",
                            help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
@@ -41,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument("--session-header", default=DEFAULTS.session_header,
                          help="requests with this header (else with the same 'user') stick to one engine")
     routing.add_argument("--session-affinity", action=argparse.BooleanOptionalAction, default=DEFAULTS.session_affinity)
+    add_flow_control_flags(parser)
     health = parser.add_argument_group("engine health and load")
     health.add_argument("--health-check-interval", type=float, default=DEFAULTS.health_check_interval_s)
     health.add_argument("--health-check-timeout", type=float, default=DEFAULTS.health_check_timeout_s)
@@ -101,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_flow_control_flags(parser: argparse.ArgumentParser) -> None:
+    """--max-queue-length and --queue-timeout, as `lockstep gateway` and `lockstep up` take them."""
+    queue = parser.add_argument_group("flow control (requests no engine can take yet wait in a queue per model)")
+    queue.add_argument("--max-queue-length", type=int, default=DEFAULTS.max_queue_length,
+                       help="requests queued per model; past it 429 + Retry-After (0 = no queue: 503 at once when "
+                            "every engine is saturated or down)")
+    queue.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout_s,
+                       help="seconds a request may wait in the queue before 429 + Retry-After")
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host, port=args.port, log_level=args.log_level,
@@ -118,7 +145,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         idle_timeout_s=args.idle_timeout, max_retries=args.max_retries, retry_after_s=args.retry_after_s,
         retry_budget_ratio=args.retry_budget_ratio, retry_budget_min=args.retry_budget_min,
         engine_api_key=engine_key(args.engine_api_key_file),
-        max_in_flight=args.max_in_flight, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        max_in_flight=args.max_in_flight, max_queue_length=args.max_queue_length, queue_timeout_s=args.queue_timeout,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         trusted_proxies=comma_separated(args.trusted_proxies),
         api_key_files=tuple(args.api_key_file), rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_request_body_bytes,
@@ -158,24 +186,32 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     return config
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="[lockstep gateway] %(levelname)s %(message)s",
-                        stream=sys.stderr)
+def configure_logging(level: str, worker_index: int | None = None) -> None:
+    name = "lockstep gateway" if worker_index is None else f"lockstep gateway worker {worker_index}"
+    logging.basicConfig(level=level.upper(), format=f"[{name}] %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
 
 
 def header_timeout_protocol(timeout_s: float):
     """uvicorn's httptools protocol, closing a connection whose request headers are not complete
-    `timeout_s` after it opened or after its previous response (slowloris): uvicorn itself waits
-    for them forever."""
+    `timeout_s` after it opened (in the health listener, for one it passed on) or after its previous
+    response (slowloris): uvicorn itself waits for them forever. Requests it cannot parse get an
+    OpenAI-shaped 400, headers past `MAX_HEADER_BYTES` an OpenAI-shaped 431 (uvicorn's httptools
+    protocol has no limit)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
+        header_timeout_s = timeout_s  # what the health listener reads (lockstep_common/health_server.py)
+        header_deadline: float | None = None  # set by the health listener's side for a connection it passed on
         _header_timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0
+        _oversized = False
 
-        def _arm(self) -> None:
+        def _arm(self, deadline: float | None = None) -> None:
             self._disarm()
-            self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
+            delay = timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+            self._header_timer = self.loop.call_later(delay, self._headers_too_slow)
+            self._header_bytes = 0
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -189,7 +225,17 @@ def header_timeout_protocol(timeout_s: float):
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._arm()
+            self._arm(self.header_deadline)
+
+        def data_received(self, data: bytes) -> None:
+            # Judged after parsing: a chunk can carry complete headers and a large body together (an
+            # 80 kB body was once a 431); only a chunk that leaves the headers incomplete is over the limit.
+            if self._header_timer is not None:
+                self._header_bytes += len(data)
+            super().data_received(data)
+            if (self._header_timer is not None and self._header_bytes > MAX_HEADER_BYTES
+                    and not self.transport.is_closing()):
+                self._send_error(431, f"the request's headers are larger than {MAX_HEADER_BYTES} bytes")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -198,11 +244,36 @@ def header_timeout_protocol(timeout_s: float):
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            # Headers that arrived complete in one chunk (as they do from the health listener, which only peeked
+            # at them) are measured here, by what the parser took: the request line's target and each header.
+            if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEADER_BYTES:
+                self._oversized = True
+                raise ValueError("headers over the limit")  # stops the parser: uvicorn calls send_400_response
             super().on_headers_complete()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """A request httptools cannot parse (a garbage request line or header, body bytes past its
+            Content-Length read as the next request): the OpenAI-shaped 400 every other error has, not
+            uvicorn's plain text; the connection closes after it, as uvicorn's does. Headers past the limit
+            (`on_headers_complete`) get the 431."""
+            if self._oversized:
+                self._send_error(431, f"the request's headers are larger than {MAX_HEADER_BYTES} bytes")
+            else:
+                self._send_error(400, INVALID_HTTP_MESSAGE)
+
+        def _send_error(self, status: int, message: str) -> None:
+            self._disarm()
+            body = json.dumps(error_body(status, message)).encode()
+            head = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
+            head.extend(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
+            head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                        % len(body))
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
 
     return HeaderTimeoutProtocol
 
@@ -212,21 +283,68 @@ def uvicorn_config(app, config: GatewayConfig):
 
     uvicorn_level = "warning" if config.log_level in ("info", "debug") else config.log_level
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=uvicorn_level, access_log=False,
-                          timeout_keep_alive=30, backlog=4096, timeout_graceful_shutdown=5, loop="auto",
+                          timeout_keep_alive=30, backlog=BACKLOG, timeout_graceful_shutdown=5, loop="auto",
                           http=header_timeout_protocol(config.header_timeout_s))
 
 
-def main(argv: list[str] | None = None) -> int:
+def gateway_server(app, config: GatewayConfig, worker_index: int | None = None, handle_signals: bool = True):
+    """uvicorn's server with `/health` and `/ping` answered by a health listener process off its event loop
+    (lockstep_common/health_listener.py), from the answer `health.probe_answer` builds every 50 ms. With
+    `--workers N` every worker runs its own listener on its own SO_REUSEPORT socket (docs/RELIABILITY.md).
+    `handle_signals=False`: the caller's loop handles SIGINT/SIGTERM (`lockstep up`)."""
+    import contextlib
+
     import uvicorn
+    from lockstep_common.health_server import HealthListenerMixin
+
+    from lockstep_gateway.health import probe_answer
+
+    name = "lockstep gateway" if worker_index is None else f"lockstep gateway worker {worker_index}"
+
+    class GatewayServer(HealthListenerMixin, uvicorn.Server):
+        listener_log_format = f"[{name} health listener] %(levelname)s %(message)s"
+
+        def probe_answer(self):
+            return probe_answer(app.state.gateway.registry)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if handle_signals:
+                with super().capture_signals():
+                    yield
+            else:
+                yield
+
+    return GatewayServer(uvicorn_config(app, config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers={args.workers!r} is out of range: allowed >= 1")
+    config = parse_args(argv)
+    if args.workers > 1 and args.worker_index is None:
+        configure_logging(config.log_level)
+        return supervise(argv, config.host, config.port, args.workers)
+    configure_logging(config.log_level, args.worker_index)
 
     from lockstep_gateway.app import build_app
 
-    config = parse_args(list(sys.argv[1:] if argv is None else argv))
-    configure_logging(config.log_level)
-    server = uvicorn.Server(uvicorn_config(build_app(config), config))
-    logging.getLogger("lockstep.gateway").info("listening on http://%s:%d", config.host, config.port)
+    server = gateway_server(build_app(config), config, args.worker_index)
+    if args.worker_index is None:
+        logging.getLogger("lockstep.gateway").info("listening on http://%s:%d", config.host, config.port)
+        server.run()
+        return server.exit_code or (0 if server.started else 1)  # 1: its health listener died
+    die_with_parent()
+    try:
+        server.prebound = bind_sockets(config.host, config.port, BACKLOG, reuse_port=True)
+    except OSError as error:
+        logging.getLogger("lockstep.gateway").error("cannot bind %s:%d: %s", config.host, config.port, error)
+        return 1
     server.run()
-    return 0 if server.started else 1
+    return server.exit_code or (0 if server.started else 1)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,21 @@
 """The gateway's Prometheus metrics, all in one registry per process (prefix `lockstep_gateway_`).
 
+With `--workers N` every worker writes its values to files in `$PROMETHEUS_MULTIPROC_DIR` (set by the
+supervisor, lockstep_gateway/workers.py) and `/metrics` of any worker reports them summed over the
+workers: counters and histograms summed, in-flight and queue gauges summed over live workers, an
+engine's health the highest of the workers' views.
+
 Labels are bounded: routes are fixed, models are the served names (anything else is `unknown`),
-engines are the discovered URLs. Nothing request-level (no keys, no users, no request ids).
+engines are the discovered engines, each by an id (`engine_id`: a hash of its URL), because
+`/metrics` needs no key and the engines' addresses are the cluster's business; `/gateway/engines`,
+behind the key, lists each engine's URL with its id. Nothing request-level (no keys, no users, no
+request ids).
 """
 
 from __future__ import annotations
+
+import hashlib
+import os
 
 from prometheus_client import (
     CollectorRegistry,
@@ -12,9 +23,38 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def engine_id(url: str) -> str:
+    """The `engine` label of an engine's series: stable for its URL, and not the URL."""
+    return "engine-" + hashlib.sha256(url.encode()).hexdigest()[:12]
+
+
+class _ByEngine:
+    """A family whose first label is `engine`: callers pass the engine's URL, the series carry its id."""
+
+    def labels(self, *values, **named):
+        if values:
+            values = (engine_id(values[0]), *values[1:])
+        elif "engine" in named:
+            named = {**named, "engine": engine_id(named["engine"])}
+        return super().labels(*values, **named)
+
+    def remove(self, *values):
+        return super().remove(engine_id(values[0]), *values[1:])
+
+
+class _EngineCounter(_ByEngine, Counter):
+    pass
+
+
+class _EngineGauge(_ByEngine, Gauge):
+    pass
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))  # --workers N
 # vLLM's request-latency boundaries, so gateway and engine histograms line up on one dashboard.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -30,7 +70,7 @@ class GatewayMetrics:
             "lockstep_gateway_upstream_latency_seconds",
             "Upstream time per attempt: to the first byte of the body (phase=first_byte) and to its end (phase=total)",
             ["route", "phase"], buckets=LATENCY_BUCKETS, registry=r)
-        self.upstream_requests = Counter("lockstep_gateway_upstream_requests",
+        self.upstream_requests = _EngineCounter("lockstep_gateway_upstream_requests",
                                          "Attempts sent to an engine, by outcome (ok, error, timeout, retried)",
                                          ["engine", "outcome"], registry=r)
         self.retries = Counter("lockstep_gateway_retries",
@@ -38,18 +78,30 @@ class GatewayMetrics:
                                registry=r)
         self.retries_refused = Counter("lockstep_gateway_retries_refused",
                                        "Retries not made because the retry budget was spent", registry=r)
-        self.breaker_opened = Counter("lockstep_gateway_breaker_opened",
+        self.breaker_opened = _EngineCounter("lockstep_gateway_breaker_opened",
                                       "Times an engine's circuit breaker opened", ["engine"], registry=r)
         self.admission_refused = Counter("lockstep_gateway_admission_refused",
                                          "Requests refused with 503 because --max-in-flight were in progress",
                                          registry=r)
         self.stream_errors = Counter("lockstep_gateway_stream_errors",
                                      "Streams ended with an SSE error event after the first byte", ["reason"], registry=r)
-        self.upstream_healthy = Gauge("lockstep_gateway_upstream_healthy",
-                                      "1 while an engine passes health checks and takes requests", ["engine"], registry=r)
-        self.upstream_in_flight = Gauge("lockstep_gateway_upstream_in_flight",
-                                        "Requests the gateway has open on an engine", ["engine"], registry=r)
-        self.ejections = Counter("lockstep_gateway_ejections", "Engines taken out of rotation", ["engine"], registry=r)
+        self.upstream_healthy = _EngineGauge("lockstep_gateway_upstream_healthy",
+                                      "1 while an engine passes health checks and takes requests", ["engine"], registry=r,
+                                      multiprocess_mode="livemax")
+        self.upstream_in_flight = _EngineGauge("lockstep_gateway_upstream_in_flight",
+                                        "Requests the gateway has open on an engine", ["engine"], registry=r,
+                                        multiprocess_mode="livesum")
+        self.ejections = _EngineCounter("lockstep_gateway_ejections", "Engines taken out of rotation", ["engine"], registry=r)
+        self.queue_depth = Gauge("lockstep_gateway_queue_depth",
+                                 "Requests waiting in the gateway for an engine of the model to have room", ["model"],
+                                 registry=r, multiprocess_mode="livesum")
+        self.queue_wait = Histogram("lockstep_gateway_queue_wait_seconds",
+                                    "Time a request waited in the gateway's queue before an engine took it", ["model"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.requests_refused = Counter(
+            "lockstep_gateway_requests_refused",
+            "Requests the gateway refused for want of an engine, by reason (queue_full and queue_timeout: 429; "
+            "sheddable and unavailable: 503)", ["reason"], registry=r)
         self.rate_limited = Counter("lockstep_gateway_rate_limited_requests",
                                     "Requests refused with 429, by the limit they hit (requests or tokens)", ["limit"],
                                     registry=r)
@@ -57,9 +109,15 @@ class GatewayMetrics:
     def forget_engine(self, url: str) -> None:
         for family in (self.upstream_healthy, self.upstream_in_flight):
             try:
+                if MULTIPROCESS:  # its file keeps the last value: 0, not a stale 1
+                    family.labels(url).set(0)
                 family.remove(url)
             except KeyError:
                 pass
 
     def render(self) -> bytes:
+        if MULTIPROCESS:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

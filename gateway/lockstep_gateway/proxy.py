@@ -19,31 +19,47 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from lockstep_gateway.backends import Backend, Registry
 from lockstep_gateway.breaker import RetryBudget
 from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.errors import GatewayError, sse_error_event
+from lockstep_gateway.flow_control import FlowControl, QueueRefused
 from lockstep_gateway.metrics import GatewayMetrics
 from lockstep_gateway.ratelimit import RateLimiter
 from lockstep_gateway.routing import (
     HashRing,
+    PrefixIndex,
     is_saturated,
     pick_least_load,
+    pick_prefix_aware,
     pick_round_robin,
 )
+from lockstep_gateway.upstream import (
+    ConnectFailed,
+    ConnectTimeout,
+    IdleTimeout,
+    UpstreamClient,
+    UpstreamError,
+    WriteFailed,
+)
+from lockstep_gateway.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("lockstep.gateway")
 # An engine that refuses a request before accepting it says so with this header on its 503.
 RETRYABLE_HEADER = "x-lockstep-retryable"
+# An engine that failed one request and stays healthy marks its 500 with this header: not the engine's fault.
+REQUEST_FAULT_HEADER = "x-lockstep-request-fault"
 ENGINE_MESSAGE_LOG_CHARS = 2000
 
 
@@ -61,10 +77,18 @@ class Job:
     estimated_tokens: int
     request_id: str = ""
     settled: bool = False  # the engine reported usage and the rate limiter was corrected
+    priority: int = 0  # lower is served earlier (vLLM's `priority`; flow_control.request_priority)
+    sheddable: bool = False  # refused at once rather than queued when no engine has room
+    prefix: tuple[int, ...] = ()  # the prompt's leading block hashes, for prefix-aware routing
+    disconnected: Callable[[], Awaitable[None]] | None = None  # returns when the client has gone
 
 
 # Retry reasons of attempts whose request no engine received: the connection failed before it was written.
 UNSEEN_REASONS = frozenset(("connect", "connect_timeout", "write"))
+
+
+class RequestFault(GatewayError):
+    """The engine answered 500 and says the request caused it: the breaker does not count it."""
 
 
 class _Retry(Exception):
@@ -75,26 +99,48 @@ class _Retry(Exception):
         self.reason = reason
 
 
-class Relayed(StreamingResponse):
-    """A streamed answer that releases what it holds (the engine's slot, the upstream response,
-    the gateway's admission) exactly once, even when the client leaves before the first chunk
-    and the body iterator never starts."""
+class Relayed:
+    """A streamed answer, sent as ASGI messages straight from the upstream connection (no
+    StreamingResponse: no task group, no iterator layers per chunk). It releases what it holds (the
+    engine's slot, the upstream connection, the gateway's admission) exactly once, even when the
+    client leaves before the first chunk. A client that goes away closes the upstream connection, so
+    the engine aborts the request and frees its KV blocks."""
 
-    def __init__(self, content, cleanup, **kwargs):
-        super().__init__(content, **kwargs)
+    def __init__(self, status_code: int, cleanup, relay, on_gone):
+        self.status_code = status_code
+        self.headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
         self.cleanups = [cleanup]
+        self.relay = relay  # async (send, relayed) -> None
+        self._on_gone = on_gone
+        self.gone = False  # the client disconnected
+        self.finished = False  # the last message is being sent
 
     async def __call__(self, scope, receive, send) -> None:
+        watcher = None
         try:
-            await super().__call__(scope, receive, send)
+            headers = [(b"content-type", b"text/event-stream"),
+                       *((name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items())]
+            await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+            watcher = asyncio.ensure_future(self._watch(receive))  # one task per stream, none per chunk
+            await self.relay(send, self)
         finally:
+            if watcher is not None:
+                watcher.cancel()
             for cleanup in self.cleanups:
                 await cleanup()
             self.cleanups = []
 
+    async def _watch(self, receive) -> None:
+        # The body was read before: the next message is the client's disconnect (or the response's end).
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.finished:
+            self.gone = True
+            self._on_gone()
+
 
 class Proxy:
-    def __init__(self, config: GatewayConfig, registry: Registry, clients: ClientShards, metrics: GatewayMetrics,
+    def __init__(self, config: GatewayConfig, registry: Registry, clients: UpstreamClient, metrics: GatewayMetrics,
                  limiter: RateLimiter, rng: random.Random | None = None):
         self.config = config
         self.registry = registry
@@ -106,6 +152,12 @@ class Proxy:
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
         self._round_robin = 0
         self._rings: dict[tuple[str, ...], HashRing] = {}
+        self.prefixes = PrefixIndex()
+        self.flow = FlowControl(config.max_queue_length, config.queue_timeout_s, config.retry_after_s,
+                                choose=lambda job: self.choose(job, set()), hold=_hold, unhold=_unhold,
+                                on_depth=lambda model, depth: metrics.queue_depth.labels(model).set(depth),
+                                on_wait=lambda model, waited: metrics.queue_wait.labels(model).observe(waited))
+        registry.listeners.append(self._engine_changed)
 
     # ---- choosing ---------------------------------------------------------------------------------
     def choose(self, job: Job, tried: set[str]) -> Backend | None:
@@ -132,6 +184,9 @@ class Proxy:
         if cfg.routing == "round-robin":
             self._round_robin += 1
             chosen = pick_round_robin(candidates, self._round_robin)
+        elif cfg.routing == "prefix-aware" and job.prefix:
+            matches = [self.prefixes.match(b.url, job.prefix) for b in backends]
+            chosen = pick_prefix_aware(candidates, matches, cfg.metrics_stale_s, self.rng)
         else:
             chosen = pick_least_load(candidates, cfg.metrics_stale_s, self.rng)
         return by_url[chosen.url]
@@ -143,6 +198,13 @@ class Proxy:
                 self._rings.clear()
             ring = self._rings[members] = HashRing(members)
         return ring
+
+    def _engine_changed(self, backend: Backend, event: str) -> None:
+        if event in ("admitted", "removed"):
+            self.prefixes.forget(backend.url)  # a readmitted engine may have restarted with an empty cache
+        if event != "removed":
+            for model in backend.models:
+                self.flow.dispatch(model)
 
     # ---- forwarding -------------------------------------------------------------------------------
     async def forward(self, job: Job) -> Response:
@@ -158,15 +220,22 @@ class Proxy:
                 self.metrics.retries_refused.inc()
                 reason = f"{reason}; the retry budget is spent"
                 break
-            backend = self.choose(job, tried)
+            # The first attempt may wait in the model's queue; the engine comes with a hold on it.
+            backend = await self._place(job) if attempt == 0 else self.choose(job, tried)
             if backend is None:
                 break
             tried.add(backend.url)
+            if job.prefix:
+                self.prefixes.record(backend.url, job.prefix)
             if attempt:
                 self.metrics.retries.labels(reason.split(":")[0]).inc()
             if budgeted:
                 self.budget.retrying += 1
             try:
+                if attempt == 0:
+                    # The hold ends where the attempt counts the request, with no await in between: the
+                    # next queued request never sees the engine emptier than it is.
+                    _unhold(backend)
                 return await self._attempt(backend, job)
             except _Retry as retry:
                 reason = retry.reason
@@ -181,7 +250,31 @@ class Proxy:
                 message = f"no engine serving {job.model!r} is available; retry later"
         else:
             message = f"engines serving {job.model!r} did not take the request ({reason}); retry later"
+        self.metrics.requests_refused.labels("unavailable").inc()
         raise GatewayError(503, message, retry_after=self.config.retry_after_s)
+
+    async def _place(self, job: Job) -> Backend | None:
+        """An engine for the first attempt, held (see `FlowControl`): at once when one has room and
+        nobody queues before; else after waiting in the model's queue. None when queueing is off
+        (--max-queue-length 0) and no engine has room. Sheddable requests never wait: 503."""
+        if not self.flow.depth(job.model):
+            backend = self.choose(job, set())
+            if backend is not None:
+                _hold(backend)
+                return backend
+        if not self.config.max_queue_length:
+            return None
+        if job.sheddable:
+            self.metrics.requests_refused.labels("sheddable").inc()
+            state = "is saturated" if self.registry.healthy(job.model) else "is down"
+            raise GatewayError(503, f"every engine serving {job.model!r} {state}, and this request is sheddable "
+                                    "(x-gateway-priority < 0); retry later", retry_after=self.config.retry_after_s)
+        try:
+            return await self.flow.wait(job, job.model, job.priority, job.rate_key, job.disconnected)
+        except QueueRefused as refused:
+            if refused.reason != "client_disconnected":
+                self.metrics.requests_refused.labels(refused.reason).inc()
+            raise refused.error from None
 
     async def _attempt(self, backend: Backend, job: Job) -> Response:
         metrics = self.metrics
@@ -197,44 +290,41 @@ class Proxy:
             if not released:
                 released = True
                 if response is not None:
-                    await _close(response)
+                    response.close()
                 self._track(backend, -1)
 
         try:
-            response, chunks, first = await self._first_byte(backend, job)
+            response, first = await self._first_byte(backend, job)
             metrics.upstream_latency.labels(job.route, "first_byte").observe(time.monotonic() - started)
             content_type = response.headers.get("content-type", "application/json")
             if response.status_code >= 500:
-                body = b"" if first is None else first + await self._rest(chunks, engine)
-                raise self._engine_failed(backend, job, response.status_code, body)
+                body = b"" if first is None else first + await self._rest(response, engine)
+                raise self._engine_failed(backend, job, response.status_code, body, response.headers)
             if content_type.startswith("text/event-stream"):
                 handed_off = True  # released when the stream ends
-                return Relayed(self._relay(backend, job, response, chunks, first, started), release,
-                               status_code=response.status_code, media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            body = b"" if first is None else first + await self._rest(chunks, engine)
+                return Relayed(response.status_code, release,
+                               functools.partial(self._relay, backend, job, response, first, started), response.close)
+            body = b"" if first is None else first + await self._rest(response, engine)
             metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
             metrics.upstream_requests.labels(engine, "ok").inc()
             backend.breaker.on_success()
             if response.status_code == 200:
                 self._settle_from_json(job, body)
             return Response(body, status_code=response.status_code, media_type=content_type)
-        except GatewayError:
-            self._breaker_failure(backend)
+        except GatewayError as error:
+            self._breaker_failure(backend, error)
             raise
         finally:
             if not handed_off:
                 await release()
 
-    async def _first_byte(self, backend: Backend, job: Job):
-        """Send the request; (response, body iterator, first chunk or None). Raises `_Retry` when
-        the engine did not accept it, GatewayError when it did and then failed, timed out or was
-        ejected as unresponsive."""
+    async def _first_byte(self, backend: Backend, job: Job) -> tuple[UpstreamResponse, bytes | None]:
+        """Send the request; (response, first body bytes or None). Raises `_Retry` when the engine did
+        not accept it, GatewayError when it did and then failed, timed out or was ejected as
+        unresponsive."""
         cfg = self.config
         engine = backend.url
-        client = self.clients.pick()
-        request = client.build_request("POST", engine + job.path, content=job.body, headers=job.headers)
-        sending = asyncio.ensure_future(self._send(client, request))
+        sending = asyncio.ensure_future(self._send(backend, job))
         ejected = backend.unresponsive_signal()
         try:
             done, _ = await asyncio.wait((sending, ejected), timeout=cfg.first_byte_timeout_s,
@@ -250,21 +340,16 @@ class Proxy:
             except _Retry:
                 self.metrics.upstream_requests.labels(engine, "retried").inc()
                 raise
-            except httpx.ConnectError as error:
+            except ConnectFailed as error:
                 self.registry.eject(backend, f"connect failed: {error}")
                 raise self._fail(engine, "error", "connect") from None
-            except httpx.ConnectTimeout:
+            except ConnectTimeout:
                 raise self._fail(engine, "timeout", "connect_timeout") from None
-            except httpx.WriteError:  # the engine never read the whole request, so it cannot have started it
+            except WriteFailed:  # the engine never read the whole request, so it cannot have started it
                 raise self._fail(engine, "error", "write") from None
-            except (httpx.TimeoutException, asyncio.TimeoutError):
-                self.metrics.upstream_requests.labels(engine, "timeout").inc()
-                raise GatewayError(504, f"the engine did not answer within {cfg.first_byte_timeout_s:g}s "
-                                        "(not retried: it may have started the request)") from None
-            except httpx.HTTPError as error:
+            except UpstreamError as error:
                 self.metrics.upstream_requests.labels(engine, "error").inc()
-                log.warning("engine %s lost request %s after accepting it: %s", engine, job.request_id,
-                            type(error).__name__)
+                log.warning("engine %s lost request %s after accepting it: %s", engine, job.request_id, error)
                 raise GatewayError(502, "the engine closed the connection before answering (not retried: "
                                         "it may have started the request)", retry_after=cfg.retry_after_s) from None
         self.metrics.upstream_requests.labels(engine, "timeout").inc()
@@ -274,48 +359,52 @@ class Proxy:
         raise GatewayError(504, f"the engine did not answer within {cfg.first_byte_timeout_s:g}s "
                                 "(not retried: it may have started the request)")
 
-    async def _send(self, client: httpx.AsyncClient, request: httpx.Request):
-        response = await client.send(request, stream=True)
+    async def _send(self, backend: Backend, job: Job) -> tuple[UpstreamResponse, bytes | None]:
+        response = await self.clients.post(backend.url, job.path, job.headers, job.body)
         try:
             if response.status_code == 503 and RETRYABLE_HEADER in response.headers:
                 raise _Retry("status 503")
-            chunks = response.aiter_raw()
-            try:
-                first = await chunks.__anext__()
-            except StopAsyncIteration:
-                first = None
-            return response, chunks, first
+            return response, await response.read()
         except BaseException:
-            await _close(response)
+            response.close()
             raise
 
-    async def _rest(self, chunks, engine: str) -> bytes:
-        """The rest of a plain (not streamed) answer, chunk by chunk within the idle timeout."""
+    async def _rest(self, response: UpstreamResponse, engine: str) -> bytes:
+        """The rest of a plain (not streamed) answer, within the idle timeout between two reads."""
         parts = []
         while True:
             try:
-                part = await asyncio.wait_for(chunks.__anext__(), self.config.idle_timeout_s)
-            except StopAsyncIteration:
-                return b"".join(parts)
-            except (asyncio.TimeoutError, httpx.TimeoutException):
+                part = await response.read(self.config.idle_timeout_s)
+            except IdleTimeout:
                 self.metrics.upstream_requests.labels(engine, "timeout").inc()
                 raise GatewayError(504, f"the engine's answer stalled for {self.config.idle_timeout_s:g}s") from None
-            except httpx.HTTPError:
+            except UpstreamError:
                 self.metrics.upstream_requests.labels(engine, "error").inc()
                 raise GatewayError(502, "the connection to the engine was lost mid-answer (not retried)") from None
+            if part is None:
+                return b"".join(parts)
             parts.append(part)
 
-    def _engine_failed(self, backend: Backend, job: Job, status: int, body: bytes) -> GatewayError:
+    def _engine_failed(self, backend: Backend, job: Job, status: int, body: bytes, headers) -> GatewayError:
         self.metrics.upstream_requests.labels(backend.url, "error").inc()
         log.warning("engine %s answered %d to request %s: %s", backend.url, status, job.request_id,
                     body[:ENGINE_MESSAGE_LOG_CHARS].decode(errors="replace"))
+        if status == 500 and REQUEST_FAULT_HEADER in headers:
+            return RequestFault(500, "the engine failed while serving this request and reports the request as the "
+                                     "cause (not retried)")
         if status == 503:
             return GatewayError(503, "the engine could not serve this request (not retried: it may have started "
                                      "it)", retry_after=self.config.retry_after_s)
         return GatewayError(502, f"the engine failed with status {status} while serving this request "
                                  "(not retried: it may have started it)")
 
-    def _breaker_failure(self, backend: Backend) -> None:
+    def _breaker_failure(self, backend: Backend, error: GatewayError | None = None) -> None:
+        """Counts a failed attempt against the engine, as Envoy's outlier detection counts connection
+        failures, resets, timeouts and 5xx; a 500 the engine attributes to the request proves the engine
+        answering, like a success (a client repeating such a request cannot open the breaker)."""
+        if isinstance(error, RequestFault):
+            backend.breaker.on_success()
+            return
         if backend.breaker.on_failure(time.monotonic()):
             self.metrics.breaker_opened.labels(backend.url).inc()
             log.warning("engine %s: circuit breaker open for %gs after %d failed requests", backend.url,
@@ -325,49 +414,52 @@ class Proxy:
         backend.in_flight += delta
         if self.registry.backends.get(backend.url) is backend:  # a forgotten engine has no series any more
             self.metrics.upstream_in_flight.labels(backend.url).inc(delta)
+        if delta < 0:  # a request ended: room for a queued one
+            for model in backend.models:
+                self.flow.dispatch(model)
 
     def _fail(self, engine: str, outcome: str, reason: str) -> _Retry:
         self.metrics.upstream_requests.labels(engine, outcome).inc()
         return _Retry(reason)
 
-    async def _relay(self, backend: Backend, job: Job, response: httpx.Response, chunks, first: bytes | None,
-                     started: float):
+    async def _relay(self, backend: Backend, job: Job, response: UpstreamResponse, first: bytes | None,
+                     started: float, send, relayed: Relayed) -> None:
         """Pass SSE through as it comes, whole events only, so an error event never lands inside a
-        half-written one."""
+        half-written one. Per chunk: one read of what the connection holds, one ASGI send; the body is
+        searched for usage only when a token limit needs it."""
         metrics = self.metrics
         engine = backend.url
+        idle = self.config.idle_timeout_s
+        usage = bool(self.limiter.tpm)
         pending = b""
         chunk = first
         outcome = "ok"
-        idle = self.config.idle_timeout_s
-        loop = asyncio.get_running_loop()
+        tail = b""
         try:
-            async with _idle_timer(idle) as timer:
-                while chunk is not None:
-                    if not pending and chunk.endswith(b"\n\n"):
-                        complete = chunk
-                    else:
-                        pending += chunk
-                        cut = pending.rfind(b"\n\n") + 2
-                        complete, pending = pending[:cut], pending[cut:]
-                    if complete:
-                        if b'"usage":{' in complete or b'"usage": {' in complete:
-                            self._settle_from_sse(job, complete)
-                        _reschedule(timer, None)  # a slow client is not an idle engine
-                        yield complete
-                    _reschedule(timer, loop.time() + idle)
-                    chunk = await _next_chunk(chunks, None if timer else idle)
-            if pending:
-                yield pending
-        except (asyncio.TimeoutError, httpx.TimeoutException):
+            while chunk is not None:
+                if not pending and chunk.endswith(b"\n\n"):
+                    complete = chunk
+                else:
+                    pending += chunk
+                    cut = pending.rfind(b"\n\n") + 2
+                    complete, pending = (pending[:cut], pending[cut:]) if cut > 1 else (b"", pending)
+                if complete:
+                    if usage and b'"usage"' in complete:
+                        self._settle_from_sse(job, complete)
+                    await send({"type": "http.response.body", "body": complete, "more_body": True})
+                chunk = await response.read(idle)
+            tail = pending
+        except IdleTimeout:
             outcome = "timeout"
             metrics.stream_errors.labels("idle_timeout").inc()
-            yield sse_error_event(504, f"the engine sent nothing for {self.config.idle_timeout_s:g}s; stream ended")
-        except httpx.HTTPError as error:
+            tail = sse_error_event(504, f"the engine sent nothing for {idle:g}s; stream ended")
+        except UpstreamError as error:
+            if relayed.gone:  # the client left and its upstream connection was closed for it
+                return
             outcome = "error"
             metrics.stream_errors.labels("upstream_lost").inc()
-            log.warning("stream from %s broke: %s", engine, type(error).__name__)
-            yield sse_error_event(502, "the connection to the engine was lost mid-stream")
+            log.warning("stream from %s broke: %s", engine, error)
+            tail = sse_error_event(502, "the connection to the engine was lost mid-stream")
         finally:
             metrics.upstream_requests.labels(engine, outcome).inc()
             metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
@@ -375,6 +467,8 @@ class Proxy:
                 backend.breaker.on_success()
             else:
                 self._breaker_failure(backend)
+        relayed.finished = True
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     # ---- token accounting ---------------------------------------------------------------------------
     def _settle(self, job: Job, usage) -> None:
@@ -400,28 +494,13 @@ class Proxy:
                     pass
 
 
-# One timer per stream, moved on at every chunk (asyncio.timeout, Python 3.11+), instead of a
-# wait_for per chunk, which costs a task each time: at 1,000 streams that is most of the CPU.
-if hasattr(asyncio, "timeout"):
-    def _idle_timer(seconds: float):
-        return asyncio.timeout(seconds)
-else:  # Python 3.10: wait_for per chunk
-    def _idle_timer(seconds: float):
-        return contextlib.nullcontext()
+def _hold(backend: Backend) -> None:
+    """Count a request handed to a queued client on its engine before its attempt does."""
+    backend.in_flight += 1
 
 
-def _reschedule(timer, when: float | None) -> None:
-    if timer is not None:
-        timer.reschedule(when)
-
-
-async def _next_chunk(chunks, timeout: float | None) -> bytes | None:
-    try:
-        if timeout is None:
-            return await chunks.__anext__()
-        return await asyncio.wait_for(chunks.__anext__(), timeout)
-    except StopAsyncIteration:
-        return None
+def _unhold(backend: Backend) -> None:
+    backend.in_flight -= 1
 
 
 class ClientShards:
@@ -439,8 +518,3 @@ class ClientShards:
     async def aclose(self) -> None:
         for client in self.clients:
             await client.aclose()
-
-
-async def _close(response: httpx.Response) -> None:
-    with contextlib.suppress(Exception):  # the connection is being dropped anyway
-        await response.aclose()

@@ -120,6 +120,10 @@ def prompt_lengths(body: dict) -> list[int]:
                 lengths.append(len(item))
         return lengths or [1]
     messages = body.get("messages")
+    if isinstance(body.get("input"), str):  # /v1/responses
+        return [_text_tokens(body["input"]) + 3]
+    if isinstance(body.get("input"), list):
+        messages = body["input"]
     if isinstance(messages, list):
         total = 0
         for message in messages:
@@ -137,6 +141,8 @@ def estimate_tokens(body: dict, max_model_len: int | None = None) -> int:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_output_tokens")  # /v1/responses
     if not _is_int(max_tokens):
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None or max_model_len is None else max_model_len
     n = body.get("n")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds what the e2e cluster needs beyond hack/kube (etcd, kube-apiserver, kube-controller-manager):
 #   kube-scheduler, kubelet, kube-proxy  from k8s.io/kubernetes (kube/go.mod: the same release)
-#   coredns                              from github.com/coredns/coredns (coredns/go.mod)
+#   coredns                              coredns/main.go: CoreDNS with the five plugins the Corefile uses (coredns/go.mod)
+#   kube-router-netpol-<digest>          netpol/main.go: kube-router's NetworkPolicy controller alone (netpol/go.mod);
+#                                        <digest>: of netpol/'s files, so a change there builds a new binary
 #   pause                                Kubernetes' own build/pause/linux/pause.c, static (gcc)
 # and the two cluster images (no registry: built with buildah from scratch, exported as archives):
 #   localhost/lockstep-e2e/pause:<version>, localhost/lockstep-e2e/coredns:<version>
@@ -14,6 +16,7 @@ command -v go >/dev/null 2>&1 || export PATH="$PATH:/usr/local/go/bin"
 out="$(bash "$here/../kube/build.sh")"
 version="$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "$here/kube/go.mod")"
 coredns_version="$(awk '$1 == "github.com/coredns/coredns" { print $2; exit }' "$here/coredns/go.mod")"
+netpol_binary="kube-router-netpol-$(cat "$here"/netpol/{go.mod,go.sum,main.go} | sha256sum | cut -c1-12)"
 archives="${LOCKSTEP_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lockstep/images}/archives"
 mkdir -p "$out" "$archives"
 
@@ -36,7 +39,8 @@ build() {  # NAME MODULE_DIR PACKAGE LDFLAGS
 build kube-scheduler "$here/kube" k8s.io/kubernetes/cmd/kube-scheduler "$ldflags"
 build kubelet "$here/kube" k8s.io/kubernetes/cmd/kubelet "$ldflags"
 build kube-proxy "$here/kube" k8s.io/kubernetes/cmd/kube-proxy "$ldflags"
-build coredns "$here/coredns" github.com/coredns/coredns "-s -w"
+build coredns "$here/coredns" . "-s -w"
+build "$netpol_binary" "$here/netpol" . "-s -w"
 if [[ ! -x "$out/pause" ]]; then
   src="$(cd "$here/kube" && go mod download -json k8s.io/kubernetes | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')"
   gcc -Os -static -DVERSION="$version-lockstep" -o "$out/.pause.tmp" "$src/build/pause/linux/pause.c"

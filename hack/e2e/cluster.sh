@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # A real single-node Kubernetes cluster on this machine, for tests/e2e. Needs root.
 #   cluster.sh up     starts containerd (its own root, state and socket), etcd, kube-apiserver,
-#                     kube-controller-manager, kube-scheduler, kube-proxy and a kubelet; imports the
-#                     image archives (no registry); deploys CoreDNS; waits for the node and DNS.
+#                     kube-controller-manager, kube-scheduler, kube-proxy, a kubelet and the
+#                     NetworkPolicy enforcer (kube-router's policy controller, netpol/main.go); imports
+#                     the image archives (no registry); deploys CoreDNS; waits for the node and DNS.
 #   cluster.sh down   stops everything it started and removes every trace: processes (by the pids it
-#                     recorded), containers, mounts, the bridge, iptables rules, its directories.
+#                     recorded), containers, mounts, the bridge, iptables rules and ipsets, its
+#                     directories; restores the sysctls it set.
 #   cluster.sh env    prints `export KUBECONFIG=... LOCKSTEP_E2E_CONTAINERD_SOCK=...` (its containerd).
 # Network: the bridge lockstep0 (10.244.0.1/24) carries pods; services are 10.96.0.0/24 (kube-proxy,
 # iptables mode); the API server and kubelet listen on 10.244.0.1 only. Pod traffic is dropped
 # unless it stays on the bridge or goes to 10.244.0.1, so nothing reaches the LAN or the internet.
+# NetworkPolicies are enforced in the filter table (bridged pod-to-pod traffic reaches it through
+# br_netfilter: net.bridge.bridge-nf-call-iptables=1 for the run).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -244,6 +248,32 @@ EOF
   wait_until 180 "node $node Ready" kubectl_ wait --for=condition=Ready "node/$node" --timeout=5s
 }
 
+netpol_up() {  # after the node is registered: the controller reads its InternalIP at start
+  cat /proc/sys/net/bridge/bridge-nf-call-iptables > "$state/bridge-nf-call-iptables.orig"
+  echo 1 > /proc/sys/net/bridge/bridge-nf-call-iptables
+  spawn netpol "$bins/kube-router-netpol-$(cat "$here"/netpol/{go.mod,go.sum,main.go} | sha256sum | cut -c1-12)" --kubeconfig "$kubeconfig" --node "$node" \
+    --service-cidr "$service_cidr" --v 1
+  # Ready once its jump into KUBE-ROUTER-FORWARD is the first rule of FORWARD (ahead of LOCKSTEP-E2E-FWD,
+  # which accepts bridge-to-bridge traffic).
+  wait_until 60 "NetworkPolicy enforcer (kube-router $netpol_version)" \
+    bash -c 'iptables -S FORWARD 1 | grep -q -- "-j KUBE-ROUTER-FORWARD"' ||
+    { log "the NetworkPolicy enforcer is not running: $(tail -5 "$state/logs/netpol.log")"; return 1; }
+}
+
+netpol_sweep() {  # what the enforcer leaves if it was killed before its own cleanup: chains, jumps, ipsets
+  local chains chain hook rule
+  chains="$(iptables -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^KUBE-(ROUTER-|POD-FW-|NWPLCY-)/ { print $2 }')"
+  for hook in INPUT FORWARD OUTPUT; do
+    while rule="$(iptables -S "$hook" 2>/dev/null | grep -m1 -- "-j KUBE-ROUTER-")"; do
+      eval "iptables ${rule/#-A/-D}" 2>/dev/null || break
+    done
+  done
+  for chain in $chains; do iptables -F "$chain" 2>/dev/null || true; done
+  for chain in $chains; do iptables -X "$chain" 2>/dev/null || true; done
+  local set
+  for set in $(ipset list -n 2>/dev/null | grep -E '^KUBE-(SRC|DST)-'); do ipset destroy "$set" 2>/dev/null || true; done
+}
+
 coredns_up() {
   sed -e "s|@IMAGE@|$coredns_ref|" -e "s|@DNS_IP@|$dns_ip|" "$here/coredns.yaml" | kubectl_ apply -f - >/dev/null
   wait_until 180 "CoreDNS ready" kubectl_ -n kube-system wait --for=condition=Available deploy/coredns --timeout=5s
@@ -251,6 +281,7 @@ coredns_up() {
 
 up() {
   [[ "$(id -u)" == 0 ]] || { echo "cluster.sh: needs root (containerd, the bridge, iptables)" >&2; exit 1; }
+  bash "$here/../system-deps.sh" check e2e
   if [[ -d "$state" ]]; then
     log "$state exists: tearing the previous cluster down first"
     down
@@ -260,15 +291,18 @@ up() {
   local k8s_version coredns_version
   k8s_version="$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "$here/kube/go.mod")"
   coredns_version="$(awk '$1 == "github.com/coredns/coredns" { print $2; exit }' "$here/coredns/go.mod")"
+  netpol_version="$(awk '$1 == "github.com/cloudnativelabs/kube-router/v2" { print $2; exit }' "$here/netpol/go.mod")"
   pause_ref="localhost/lockstep-e2e/pause:$k8s_version"
   coredns_ref="localhost/lockstep-e2e/coredns:$coredns_version"
   mkdir -p "$state/logs" "$state/pids"
   certs
   write_kubeconfig "$kubeconfig" admin
+  netfilter_names > "$state/netfilter.before"
   network_up
   containerd_up
   control_plane_up
   kubelet_up
+  netpol_up
   coredns_up
   log "cluster up in $((SECONDS - start)) s; export KUBECONFIG=$kubeconfig"
 }
@@ -295,7 +329,9 @@ down() {
       for _ in $(seq 20); do ctr --address "$sock" -n k8s.io tasks delete "$id" >/dev/null 2>&1 && break; sleep 0.5; done
     done
   fi
-  for name in kube-proxy kube-scheduler kube-controller-manager kube-apiserver etcd containerd; do stop_pid "$name"; done
+  # The enforcer removes its rules and ipsets on SIGTERM; netpol_sweep catches what a kill left.
+  for name in netpol kube-proxy kube-scheduler kube-controller-manager kube-apiserver etcd containerd; do stop_pid "$name"; done
+  netpol_sweep
   if [[ -f "$state/kube-proxy.yaml" ]]; then
     "$(bash "$here/../kube/build.sh" --check)/kube-proxy" --cleanup --config "$state/kube-proxy.yaml" >/dev/null 2>&1 || true
   fi
@@ -309,26 +345,43 @@ down() {
   done
   ip link delete "$bridge" 2>/dev/null || true
   for chain in FORWARD:LOCKSTEP-E2E-FWD INPUT:LOCKSTEP-E2E-IN; do
-    iptables -D "${chain%%:*}" -j "${chain#*:}" 2>/dev/null || true
+    while iptables -D "${chain%%:*}" -j "${chain#*:}" 2>/dev/null; do :; done  # every copy of the jump
     iptables -F "${chain#*:}" 2>/dev/null || true
     iptables -X "${chain#*:}" 2>/dev/null || true
   done
   # The kubelet's own chains (kube-proxy --cleanup leaves them): its localnet firewall and canaries.
   local table
   for table in filter nat mangle; do
-    for hook in INPUT OUTPUT; do iptables -t "$table" -D "$hook" -j KUBE-FIREWALL 2>/dev/null || true; done
+    for hook in INPUT OUTPUT; do while iptables -t "$table" -D "$hook" -j KUBE-FIREWALL 2>/dev/null; do :; done; done
     for chain in KUBE-FIREWALL KUBE-KUBELET-CANARY KUBE-IPTABLES-HINT; do
       iptables -t "$table" -F "$chain" 2>/dev/null && iptables -t "$table" -X "$chain" 2>/dev/null || true
     done
   done
   [[ -f "$state/ip_forward.orig" ]] && cat "$state/ip_forward.orig" > /proc/sys/net/ipv4/ip_forward
+  [[ -f "$state/bridge-nf-call-iptables.orig" ]] &&
+    cat "$state/bridge-nf-call-iptables.orig" > /proc/sys/net/bridge/bridge-nf-call-iptables
   # The pod cgroups the kubelet created (cgroup v1: one tree per controller), innermost first.
   local dir
   for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/*/kubepods.slice; do
     [[ -d "$dir" ]] && find "$dir" -depth -type d -exec rmdir {} + 2>/dev/null || true
   done
+  local left=()
+  [[ -f "$state/netfilter.before" ]] &&
+    mapfile -t left < <(netfilter_names | comm -13 "$state/netfilter.before" -)
+  ip link show "$bridge" >/dev/null 2>&1 && left+=("the bridge $bridge")
+  awk -v a="$state" -v b="$run" 'index($5, a) == 1 || index($5, b) == 1 { print "mount " $5 }' /proc/self/mountinfo |
+    grep -q . && left+=("mounts under $state or $run")
   rm -rf "$state" "$run"
   log "cluster down in $((SECONDS - start)) s"
+  if ((${#left[@]})); then
+    log "left behind (not there before up): $(printf '%s; ' "${left[@]}")"
+    return 1
+  fi
+}
+
+netfilter_names() {  # the cluster's kind of iptables rules and chains and ipsets on this host, sorted
+  { iptables-save 2>/dev/null | grep -E 'KUBE-|LOCKSTEP-E2E-|kube-router' | sed 's/ \[[0-9]*:[0-9]*\]$//' || true
+    ipset list -n 2>/dev/null | grep -E '^KUBE-' | sed 's/^/ipset /' || true; } | sort
 }
 
 case "${1:-}" in

@@ -35,6 +35,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from lockstep_common.argparsing import ArgumentParser
 from lockstep.bench.workload import (
     DEFAULT_MIN_TOKEN_ID,
     DEFAULT_VOCAB_SIZE,
@@ -473,7 +474,7 @@ def _rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lockstep bench serve",
         description="Load-test an OpenAI-compatible server with a synthetic workload (like vllm bench serve).",
     )

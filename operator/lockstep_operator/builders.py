@@ -15,6 +15,7 @@ import base64
 import hashlib
 import json
 import math
+import re
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import (
     ANNOTATION_APPLIED,
     ANNOTATION_SERVED_MODEL,
+    ANNOTATION_SURGE,
     API_VERSION,
     CACHE_DIR,
     ENGINE_PORT,
@@ -333,6 +335,7 @@ def fetch_container(spec: ServiceSpec) -> dict[str, Any]:
         "volumeMounts": mounts,
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "securityContext": security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
@@ -367,6 +370,9 @@ def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: Operato
         "resources": container_resources(spec),
         "volumeMounts": mounts,
         "securityContext": security_context(),
+        # A container that fails leaves the tail of its log as its termination message: the operator
+        # puts the engine's last error line into the LLMService's status (groups.termination).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         **probes(spec),
     }
     if spec.image_pull_policy:
@@ -417,8 +423,9 @@ def _metadata(owner: Mapping[str, Any], name: str, labels: dict[str, str]) -> di
 
 
 def group_statefulset(
-    owner: Mapping[str, Any], spec: ServiceSpec, index: int, config: OperatorConfig
+    owner: Mapping[str, Any], spec: ServiceSpec, index: int, config: OperatorConfig, surge: bool = False
 ) -> dict[str, Any]:
+    """Group `index`'s StatefulSet; `surge` marks an extra group of a rolling update."""
     namespace = owner["metadata"]["namespace"]
     name = group_name(spec.name, index)
     labels = {
@@ -426,11 +433,14 @@ def group_statefulset(
         **group_selector(spec.name, index),
         LABEL_REVISION: revision(spec, namespace, config),
     }
+    metadata = _metadata(owner, name, labels)
+    if surge:
+        metadata["annotations"] = {ANNOTATION_SURGE: "true"}
     return _stamp(
         {
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
-            "metadata": _metadata(owner, name, labels),
+            "metadata": metadata,
             "spec": {
                 "replicas": spec.pods_per_group,
                 "serviceName": name,
@@ -471,8 +481,15 @@ def group_service(owner: Mapping[str, Any], spec: ServiceSpec, index: int) -> di
     )
 
 
+_LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
 def leader_service(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
     labels = {**common_labels(spec.name), "app.kubernetes.io/component": "engine-leader"}
+    # Also as a label (when it is a valid label value): the EndpointSlice controller copies Service
+    # labels onto the slices, so the gateway knows the model even while the service has no group.
+    if len(spec.served_name) <= 63 and _LABEL_VALUE_RE.match(spec.served_name):
+        labels[ANNOTATION_SERVED_MODEL] = spec.served_name
     metadata = _metadata(owner, spec.name, labels)
     metadata["annotations"] = {ANNOTATION_SERVED_MODEL: spec.served_name}
     return _stamp(

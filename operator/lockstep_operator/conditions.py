@@ -34,8 +34,9 @@ def merge_conditions(
 
 
 def status_conditions(
-    spec: ServiceSpec, groups: list[Group], existing: int, generation: int
+    spec: ServiceSpec, groups: list[Group], existing: int, generation: int, surge: int = 0
 ) -> list[dict[str, Any]]:
+    """Conditions from the groups 0..replicas-1; `surge` counts the extra groups of a rollout."""
     desired = spec.replicas
     ready = sum(g.ready for g in groups)
     updated = sum(g.updated for g in groups)
@@ -62,6 +63,10 @@ def status_conditions(
         )
     elif ready < desired:
         progressing = condition("Progressing", True, "GroupsStarting", counts, generation)
+    elif surge:
+        progressing = condition(
+            "Progressing", True, "RollingUpdate", f"{counts}; removing {surge} surge group(s)", generation
+        )
     else:
         progressing = condition("Progressing", False, "Complete", counts, generation)
     problems = [(g.index, problem) for g in groups if (problem := g.problem) is not None]

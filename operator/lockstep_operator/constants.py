@@ -11,6 +11,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # Annotation/label prefix for everything the operator (and kopf, for it) writes.
 PREFIX = GROUP
 FIELD_MANAGER = "lockstep-operator"
+# Writes spec.replicas (scale subresource) for LLMServices with spec.autoscaling, and nothing else.
+AUTOSCALER_FIELD_MANAGER = "lockstep-autoscaler"
 
 LABEL_SERVICE = f"{PREFIX}/service"
 LABEL_GROUP = f"{PREFIX}/group"
@@ -28,7 +30,14 @@ ANNOTATION_APPLIED = f"{PREFIX}/applied-hash"
 ANNOTATION_APPLIED_GENERATION = f"{PREFIX}/applied-generation"
 ANNOTATION_MEMBERS = f"{PREFIX}/members"
 ANNOTATION_RESTARTS = f"{PREFIX}/restarts"
+# Crash-loop back-off of a group: restarts since it was last ready, when the last one happened,
+# and the engine's last error line (from the container's termination message).
+ANNOTATION_FAILED_RESTARTS = f"{PREFIX}/failed-restarts"
+ANNOTATION_LAST_RESTART = f"{PREFIX}/last-restart"
+ANNOTATION_LAST_ERROR = f"{PREFIX}/last-error"
 ANNOTATION_SERVED_MODEL = f"{PREFIX}/served-model-name"
+# On the StatefulSet of an extra group a rolling update started (spec.rollout.maxSurge).
+ANNOTATION_SURGE = f"{PREFIX}/surge"
 
 ENGINE_PORT = 8000
 RENDEZVOUS_PORT = 29500

@@ -6,6 +6,7 @@ created, scheduled or started, all read from what the API server reports.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,10 @@ class Group:
     restarts: int = 0
     # Why the group's pods are not created, scheduled or started: (reason, message), or None.
     problem: tuple[str, str] | None = None
+    # Restarts since the group was last ready (the crash-loop back-off counts these).
+    failed_restarts: int = 0
+    # An extra group of a rolling update (index >= spec.replicas), removed once it is done.
+    surge: bool = False
 
 
 def labels_of(obj: Mapping[str, Any]) -> Mapping[str, str]:
@@ -57,6 +62,42 @@ def pod_restart_count(pod: Mapping[str, Any]) -> int:
     status = pod.get("status") or {}
     statuses = (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
     return sum(int(s.get("restartCount") or 0) for s in statuses)
+
+
+# Lines the launcher adds after a rank's own error: they say which rank exited, not why.
+_LAUNCHER_NOTE = re.compile(r"^launch\.py: rank process \d+ exited")
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b|\berror\b", re.IGNORECASE)
+MAX_ERROR_CHARS = 300
+
+
+def error_line(text: str) -> str:
+    """The line of a termination message (the log's tail) that says why: the last exception or error
+    line, else the last line. Where the launcher noted a rank's exit, only what came before the note
+    counts: after it, the pod's other ranks print how they were stopped (a leader stopped while it
+    loads says "draining"), not why the first one exited."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    noted = next((i for i, line in enumerate(lines) if _LAUNCHER_NOTE.match(line)), None)
+    if noted is not None:
+        lines = lines[:noted] or [line for line in lines if not _LAUNCHER_NOTE.match(line)]
+    if not lines:
+        return ""
+    line = next((line for line in reversed(lines) if _ERROR_LINE.search(line)), lines[-1])
+    return line[:MAX_ERROR_CHARS]
+
+
+def termination(pod: Mapping[str, Any]) -> str | None:
+    """How a container of the pod last ended with an error: exit code and the engine's last error line."""
+    status = pod.get("status") or {}
+    for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        for state in (container.get("state") or {}, container.get("lastState") or {}):
+            ended = state.get("terminated") or {}
+            if ended and int(ended.get("exitCode") or 0) != 0:
+                line = error_line(str(ended.get("message") or ""))
+                what = f"pod {name_of(pod)} container {container.get('name')} exited with code {ended.get('exitCode')}"
+                if ended.get("reason") and ended["reason"] != "Error":
+                    what += f" ({ended['reason']})"
+                return f"{what}: {line}" if line else what
+    return None
 
 
 def recorded_members(statefulset: Mapping[str, Any]) -> set[str]:

@@ -11,6 +11,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lockstep_operator.constants import (
     ANNOTATION_APPLIED_GENERATION,
+    AUTOSCALER_FIELD_MANAGER,
     FIELD_MANAGER,
     GROUP,
     LABEL_SERVICE,
@@ -147,6 +148,17 @@ class Kube:
         self.apps.patch_namespaced_stateful_set(
             name, namespace, body, field_manager=FIELD_MANAGER, _content_type=MERGE
         )
+
+    def scale(self, namespace: str, name: str, replicas: int) -> None:
+        """spec.replicas through the scale subresource, as an HPA writes it (spec.autoscaling only)."""
+        self.custom.patch_namespaced_custom_object_scale(
+            GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}},
+            field_manager=AUTOSCALER_FIELD_MANAGER, _content_type=MERGE,
+        )  # fmt: skip
+
+    def pod_ips(self, namespace: str, selector: str) -> list[str]:
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+        return [p.status.pod_ip for p in pods if p.status and p.status.pod_ip and p.status.phase == "Running"]
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(

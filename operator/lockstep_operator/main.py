@@ -16,7 +16,7 @@ log = logging.getLogger("lockstep_operator")
 
 def parse_args(argv: list[str]) -> OperatorConfig:
     parser = argparse.ArgumentParser(
-        prog="lockstep operator",
+        prog="lockstep operator", allow_abbrev=False,
         description="Reconcile LLMService resources (serving.lockstep.dev/v1alpha1) into engine groups.",
     )
     parser.add_argument(
@@ -79,6 +79,13 @@ def parse_args(argv: list[str]) -> OperatorConfig:
         dest="monitoring_namespaces",
         help="every pod of this namespace may call engine HTTP, e.g. Prometheus (repeatable)",
     )
+    parser.add_argument("--autoscale-interval-seconds", type=float, default=5.0,
+                        help="how often LLMServices with spec.autoscaling read their demand")  # fmt: skip
+    parser.add_argument("--gateway-namespace", default="",
+                        help="namespace of the gateway pods whose queue depth autoscaling reads")  # fmt: skip
+    parser.add_argument("--gateway-selector", default="",
+                        help="label selector of those gateway pods (empty: the gateway's queue is not read)")  # fmt: skip
+    parser.add_argument("--gateway-metrics-port", type=int, default=8000, help="port of the gateways' /metrics")
     args = parser.parse_args(argv)
     try:
         return OperatorConfig(
@@ -93,6 +100,10 @@ def parse_args(argv: list[str]) -> OperatorConfig:
             network_policy=args.network_policy,
             engine_client_namespaces=tuple(args.engine_client_namespaces),
             monitoring_namespaces=tuple(args.monitoring_namespaces),
+            autoscale_interval_seconds=args.autoscale_interval_seconds,
+            gateway_namespace=args.gateway_namespace,
+            gateway_selector=args.gateway_selector,
+            gateway_metrics_port=args.gateway_metrics_port,
         )
     except ValueError as error:
         parser.error(str(error))

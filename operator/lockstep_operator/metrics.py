@@ -1,4 +1,4 @@
-"""The operator's Prometheus metrics (DESIGN.md section 6: `lockstep_operator_` prefix, base units)."""
+"""The operator's Prometheus metrics (`lockstep_operator_` prefix, base units: docs/METRICS.md)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,18 @@
 """Observed objects -> what to change and what status to report. Pure: no API calls, no clock.
 
-Rules (DESIGN.md section 5.2):
+Rules (docs/KUBERNETES.md, "Reconcile behaviour"):
 * groups missing below `spec.replicas` are created at the current revision, groups at or above it
   are deleted: scaling never touches the pods of the other groups;
-* a group whose pods run an older revision is replaced as a whole, one available group at a time
-  (a group that is not available anyway is replaced at once);
+* a group whose pods run an older revision is replaced as a whole (a rolling update): first up to
+  `spec.rollout.maxSurge` extra groups are started at the new revision, and a ready old group is
+  replaced only while at least `replicas - maxUnavailable` other groups are ready (a group that is
+  not available anyway is replaced at once); the extra groups go once every group is updated and
+  ready, so by default no capacity is lost;
 * a group in which any pod restarted, failed, or was deleted or replaced is restarted as a whole:
   a TP/PP group cannot survive a lost rank. The pod UIDs of a complete group are recorded on its
-  StatefulSet; a mismatch later means a member was lost;
+  StatefulSet; a mismatch later means a member was lost. A group that fails again before it was
+  ready waits out an exponential back-off before its next restart, and its status carries the
+  engine's last error line (the container's termination message);
 * status is recomputed from what exists every time; `spec` is never written.
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from lockstep_operator import builders
@@ -23,8 +29,12 @@ from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import (
     ANNOTATION_APPLIED,
     ANNOTATION_APPLIED_GENERATION,
+    ANNOTATION_FAILED_RESTARTS,
+    ANNOTATION_LAST_ERROR,
+    ANNOTATION_LAST_RESTART,
     ANNOTATION_MEMBERS,
     ANNOTATION_RESTARTS,
+    ANNOTATION_SURGE,
     LABEL_REVISION,
 )
 from lockstep_operator.groups import (
@@ -38,6 +48,7 @@ from lockstep_operator.groups import (
     lost_member,
     name_of,
     recorded_members,
+    termination,
 )
 from lockstep_operator.spec import ServiceSpec, SpecError, parse_spec
 
@@ -66,6 +77,11 @@ class Plan:
     status: dict[str, Any] = field(default_factory=dict)
     group_restarts: int = 0
     group_updates: int = 0
+    # Reconcile again after this many seconds (a group's crash-loop back-off ends), or None.
+    requeue_after: float | None = None
+
+    def requeue(self, seconds: float) -> None:
+        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
 
 
 # --- the plan: one named step per rule -----------------------------------------------------
@@ -90,6 +106,7 @@ def _group_view(group: Group, spec: ServiceSpec, target: str) -> None:
     pods_consistent = all(labels_of(p).get(LABEL_REVISION) == sts_revision for p in group.pods)
     complete = len(group.pods) == spec.pods_per_group
     group.restarts = int(annotations_of(group.statefulset or {}).get(ANNOTATION_RESTARTS, "0") or 0)
+    group.failed_restarts = int(annotations_of(group.statefulset or {}).get(ANNOTATION_FAILED_RESTARTS, "0") or 0)
     group.updated = sts_revision == target and pods_consistent
     group.ready = complete and pods_consistent and all(is_pod_ready(p) for p in group.pods)
     group.state = "Ready" if group.ready else "Starting"
@@ -147,35 +164,121 @@ def _apply_service_objects(plan: Plan, ctx: _Context, observed: Observed) -> Non
         _apply_if_changed(plan, obj, pools[obj["kind"]].get(name_of(obj)))
 
 
-def _delete_unwanted(plan: Plan, ctx: _Context) -> None:
-    """Scale down: whole groups above spec.replicas go, highest first (their pods go with them,
-    by garbage collection), with their Services and NetworkPolicies; and every NetworkPolicy
-    once policies are turned off."""
-    replicas = ctx.spec.replicas
+def _delete_unwanted(plan: Plan, ctx: _Context, keep: int) -> None:
+    """Scale down: whole groups from index `keep` on (spec.replicas plus the surge groups of a
+    rollout) go, highest first (their pods go with them, by garbage collection), with their
+    Services and NetworkPolicies; and every NetworkPolicy once policies are turned off."""
     for index in sorted(ctx.statefulsets, reverse=True):
-        if index >= replicas:
+        if index >= keep:
             plan.delete.append(("StatefulSet", name_of(ctx.statefulsets[index])))
     for name, svc in ctx.services.items():
         index = group_index(svc)
-        if index is not None and index >= replicas:
+        if index is not None and index >= keep:
             plan.delete.append(("Service", name))
     for name, policy in ctx.policies.items():
         index = group_index(policy)
-        if not ctx.config.network_policy or (index is not None and index >= replicas):
+        if not ctx.config.network_policy or (index is not None and index >= keep):
             plan.delete.append(("NetworkPolicy", name))
 
 
-def _restart_if_member_lost(plan: Plan, group: Group) -> bool:
-    """A TP/PP group cannot survive a lost rank: replace every pod. True when it did."""
+def _is_surge(statefulset: Mapping[str, Any] | None) -> bool:
+    return annotations_of(statefulset or {}).get(ANNOTATION_SURGE) == "true"
+
+
+def _surge_groups_wanted(slots: list[Group], ctx: _Context) -> int:
+    """How many extra groups the rollout needs now: up to maxSurge while old groups remain; the
+    surge groups already there until every group is updated and ready; else none."""
+    outdated = sum(g.state == "Outdated" for g in slots)
+    if outdated:
+        return min(ctx.spec.max_surge, outdated)
+    if all(g.ready and g.updated for g in slots):
+        return 0
+    count = 0
+    while count < ctx.spec.max_surge and _is_surge(ctx.statefulsets.get(ctx.spec.replicas + count)):
+        count += 1
+    return count
+
+
+def parse_time(stamp: str) -> datetime:
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def restart_backoff(failed_restarts: int, config: OperatorConfig) -> float:
+    """Seconds that must pass after a group's previous restart before the next, when it has not been
+    ready since: none after a ready spell, then the base delay doubling up to the maximum."""
+    if failed_restarts <= 0:
+        return 0.0
+    return min(config.restart_backoff_seconds * 2 ** (failed_restarts - 1), config.restart_backoff_max_seconds)
+
+
+def _last_error(group: Group) -> str:
+    found = next((t for p in group.pods if (t := termination(p)) is not None), None)
+    return found or annotations_of(group.statefulset or {}).get(ANNOTATION_LAST_ERROR, "")
+
+
+def _crash_problem(group: Group, error: str, wait: float = 0.0) -> tuple[str, str] | None:
+    """Why a group that failed since it was last ready is not serving: the engine's last error, and
+    while it waits out its back-off (`wait` seconds) how often it was restarted."""
+    if group.ready or group.failed_restarts == 0:
+        return None
+    if wait <= 0 and group.failed_restarts == 1:
+        return ("EngineFailed", f"last error: {error}") if error else None
+    times = "once" if group.failed_restarts == 1 else f"{group.failed_restarts} times"
+    message = f"restarted {times} without becoming ready"
+    message += f"; last error: {error}" if error else ""
+    message += f"; next restart in {wait:.0f} s" if wait > 0 else ""
+    return "CrashLoopBackOff", message
+
+
+def _restart_if_member_lost(plan: Plan, group: Group, ctx: _Context, now: str) -> bool:
+    """A TP/PP group cannot survive a lost rank: replace every pod, or wait out the crash-loop
+    back-off first. True when it did either."""
     reason = lost_member(group)
     if reason is None:
         return False
+    error = _last_error(group)
+    annotations = annotations_of(group.statefulset or {})
+    last = annotations.get(ANNOTATION_LAST_RESTART)
+    if last and group.failed_restarts > 0:
+        elapsed = (parse_time(now) - parse_time(last)).total_seconds()
+        wait = restart_backoff(group.failed_restarts, ctx.config) - elapsed
+        if wait > 0:
+            group.state = "CrashLoopBackOff"
+            group.problem = _crash_problem(group, error, wait)
+            if error and error != annotations.get(ANNOTATION_LAST_ERROR):
+                plan.annotate.append((name_of(group.statefulset), {ANNOTATION_LAST_ERROR: error}))
+            plan.requeue(wait)
+            return True
     group.restarts += 1
-    plan.events.append(("Warning", "GroupRestart", f"restarting group {group.index}: {reason}"))
+    group.failed_restarts += 1
+    message = f"restarting group {group.index}: {reason}"
+    if error:
+        message += f"; last error: {error}"
+    next_wait = restart_backoff(group.failed_restarts, ctx.config)
+    if group.failed_restarts > 1:
+        message += f"; restart {group.failed_restarts} without becoming ready, the next one waits {next_wait:.0f} s"
+    plan.events.append(("Warning", "GroupRestart", message))
     plan.group_restarts += 1
-    _replace_pods(plan, group, {ANNOTATION_MEMBERS: "", ANNOTATION_RESTARTS: str(group.restarts)})
+    marks = {
+        ANNOTATION_MEMBERS: "",
+        ANNOTATION_RESTARTS: str(group.restarts),
+        ANNOTATION_FAILED_RESTARTS: str(group.failed_restarts),
+        ANNOTATION_LAST_RESTART: now,
+    }
+    if error:
+        marks[ANNOTATION_LAST_ERROR] = error
+    _replace_pods(plan, group, marks)
     group.state = "Restarting"
+    group.problem = _crash_problem(group, error)
     return True
+
+
+def _forget_failures_once_ready(plan: Plan, group: Group) -> None:
+    """A group that became ready again starts its next crash loop with a restart at once."""
+    if group.ready and group.failed_restarts:
+        assert group.statefulset is not None
+        plan.annotate.append((name_of(group.statefulset), {ANNOTATION_FAILED_RESTARTS: "0", ANNOTATION_LAST_ERROR: ""}))
+        group.failed_restarts = 0
 
 
 def _replace_stragglers(plan: Plan, group: Group, sts_revision: str | None, ctx: _Context) -> bool:
@@ -197,7 +300,9 @@ def _record_members(plan: Plan, group: Group, ctx: _Context) -> None:
     plan.annotate.append((name_of(group.statefulset), {ANNOTATION_MEMBERS: uids}))
 
 
-def _reconcile_group(plan: Plan, group: Group, ctx: _Context, events: Sequence[Mapping[str, Any]]) -> None:
+def _reconcile_group(
+    plan: Plan, group: Group, ctx: _Context, events: Sequence[Mapping[str, Any]], now: str
+) -> None:
     """Create a missing group, restart a broken one, keep a current one applied; mark an
     outdated one for the rolling update."""
     owner, spec = ctx.owner, ctx.spec
@@ -207,35 +312,36 @@ def _reconcile_group(plan: Plan, group: Group, ctx: _Context, events: Sequence[M
         policy = builders.group_policy(owner, spec, group.index)
         _apply_if_changed(plan, policy, ctx.policies.get(name_of(policy)))
     if group.statefulset is None:
-        plan.apply.append(builders.group_statefulset(owner, spec, group.index, ctx.config))
+        plan.apply.append(builders.group_statefulset(owner, spec, group.index, ctx.config, group.surge))
         group.state = "Creating"
         return
     _group_view(group, spec, ctx.target)
-    if _restart_if_member_lost(plan, group):
+    if _restart_if_member_lost(plan, group, ctx, now):
         return
+    _forget_failures_once_ready(plan, group)
     sts_revision = labels_of(group.statefulset).get(LABEL_REVISION)
     if _replace_stragglers(plan, group, sts_revision, ctx):
         return
-    group.problem = group_problem(group, spec, events)
+    group.problem = group_problem(group, spec, events) or _crash_problem(group, _last_error(group))
     if sts_revision != ctx.target:
         group.state = "Outdated"
         return
-    desired = builders.group_statefulset(owner, spec, group.index, ctx.config)
+    desired = builders.group_statefulset(owner, spec, group.index, ctx.config, group.surge)
     if _needs_apply(desired, group.statefulset) or group.statefulset["spec"]["replicas"] != spec.pods_per_group:
         plan.apply.append(desired)  # same revision: pods are not touched
     _record_members(plan, group, ctx)
 
 
 def _roll_outdated(plan: Plan, groups: list[Group], ctx: _Context) -> None:
-    """Outdated groups that are down anyway go now; an available one only when every other
-    group is available, so at most one group is out of service for the update."""
-    budget = 1 if all(g.ready for g in groups) else 0
+    """Outdated groups that are down anyway go now; a ready one only while at least
+    `replicas - maxUnavailable` other groups (surge groups included) stay ready."""
+    budget = sum(g.ready for g in groups) - (ctx.spec.replicas - ctx.spec.max_unavailable)
     for group in (g for g in groups if g.state == "Outdated"):
         if group.ready:
-            if budget == 0:
+            if budget <= 0:
                 continue
             budget -= 1
-        plan.apply.append(builders.group_statefulset(ctx.owner, ctx.spec, group.index, ctx.config))
+        plan.apply.append(builders.group_statefulset(ctx.owner, ctx.spec, group.index, ctx.config, group.surge))
         _replace_pods(plan, group, {ANNOTATION_MEMBERS: ""})
         group.state = "Updating"
         group.problem = None
@@ -245,11 +351,14 @@ def _roll_outdated(plan: Plan, groups: list[Group], ctx: _Context) -> None:
         )
 
 
-def _status(ctx: _Context, groups: list[Group], now: str) -> dict[str, Any]:
+def _status(ctx: _Context, slots: list[Group], surges: list[Group], now: str) -> dict[str, Any]:
     owner, spec = ctx.owner, ctx.spec
     generation = owner["metadata"].get("generation", 0)
     old = owner.get("status") or {}
-    conditions = status_conditions(spec, groups, len(ctx.statefulsets), generation)
+    groups = slots + surges
+    # Surge groups (kept, or being removed after a rollout) are the rollout's, not scaling.
+    existing = sum(1 for i, sts in ctx.statefulsets.items() if i < spec.replicas or not _is_surge(sts))
+    conditions = status_conditions(spec, slots, existing, generation, surge=sum(_is_surge(s) for s in ctx.statefulsets.values()))
     return {
         "observedGeneration": generation,
         "replicas": len(ctx.statefulsets),
@@ -268,6 +377,7 @@ def _status(ctx: _Context, groups: list[Group], now: str) -> dict[str, Any]:
                 "readyPods": sum(is_pod_ready(p) for p in g.pods),
                 "updated": g.updated,
                 "restarts": g.restarts,
+                **({"surge": True} if g.surge else {}),
                 **({"message": g.problem[1]} if g.problem else {}),
             }
             for g in groups
@@ -293,13 +403,18 @@ def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: Operato
     )
     plan = Plan()
     _apply_service_objects(plan, ctx, observed)
-    _delete_unwanted(plan, ctx)
     pods = _by_group([p for p in observed.pods if not is_terminating(p)])
-    groups = [
-        Group(i, ctx.statefulsets.get(i), sorted(pods.get(i, []), key=name_of)) for i in range(spec.replicas)
-    ]
-    for group in groups:
-        _reconcile_group(plan, group, ctx, observed.events)
-    _roll_outdated(plan, groups, ctx)
-    plan.status = _status(ctx, groups, now)
+
+    def group(index: int, surge: bool = False) -> Group:
+        return Group(index, ctx.statefulsets.get(index), sorted(pods.get(index, []), key=name_of), surge=surge)
+
+    slots = [group(i) for i in range(spec.replicas)]
+    for slot in slots:
+        _reconcile_group(plan, slot, ctx, observed.events, now)
+    surges = [group(spec.replicas + k, surge=True) for k in range(_surge_groups_wanted(slots, ctx))]
+    for surge in surges:
+        _reconcile_group(plan, surge, ctx, observed.events, now)
+    _delete_unwanted(plan, ctx, keep=spec.replicas + len(surges))
+    _roll_outdated(plan, slots + surges, ctx)
+    plan.status = _status(ctx, slots, surges, now)
     return plan

@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Hashable, Sequence
 from datetime import datetime, timezone
 
@@ -18,11 +19,14 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lockstep_operator import metrics
-from lockstep_operator.config import OperatorConfig
-from lockstep_operator.constants import API_VERSION, KIND, MANAGED_BY
-from lockstep_operator.kube import Kube
+from lockstep_operator.autoscale import Demand, desired_replicas, gauge_sum
 from lockstep_operator.conditions import error_status, status_changed
-from lockstep_operator.plan import plan_reconcile
+from lockstep_operator.config import OperatorConfig
+from lockstep_operator.constants import API_VERSION, ENGINE_PORT, KIND, LABEL_POD_INDEX, MANAGED_BY
+from lockstep_operator.groups import is_pod_ready, labels_of
+from lockstep_operator.kube import Kube
+from lockstep_operator.plan import Observed, Plan, plan_reconcile
+from lockstep_operator.spec import SpecError, parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,16 @@ def _api_message(error: ApiException) -> str:
         return json.loads(error.body)["message"]
     except (TypeError, ValueError, KeyError):
         return str(error.body)[:500]
+
+
+def scrape(url: str, timeout: float = 2.0) -> str:
+    """A /metrics page, or "" when it cannot be read (a pod going away counts as no demand)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode("utf-8", "replace")
+    except (OSError, ValueError) as error:
+        log.debug("could not read %s: %s", url, error)
+        return ""
 
 
 def utc_now() -> str:
@@ -101,9 +115,23 @@ class Reconciler:
         self.config = config
         self.clock = clock
         self.queue = Coalescer(self._reconcile_key)
+        self._timers: dict[tuple[str, str], threading.Timer] = {}
+        self._timers_lock = threading.Lock()
 
     def request(self, namespace: str, name: str) -> None:
         self.queue.request((namespace, name))
+
+    def request_later(self, namespace: str, name: str, seconds: float) -> None:
+        """One reconcile of the object after `seconds` (the latest request replaces an earlier one)."""
+        key = (namespace, name)
+        timer = threading.Timer(seconds, self.request, args=key)
+        timer.daemon = True
+        with self._timers_lock:
+            previous = self._timers.pop(key, None)
+            if previous is not None:
+                previous.cancel()
+            self._timers[key] = timer
+        timer.start()
 
     def resync(self) -> None:
         for namespace, name in self.kube.list_services(self.config.namespaces):
@@ -121,14 +149,19 @@ class Reconciler:
             owner = self.kube.get_service(namespace, name)
             if owner is None or owner["metadata"].get("deletionTimestamp"):
                 return  # garbage collection removes the children through their owner references
-            plan = plan_reconcile(owner, self.kube.observe(owner), self.config, self.clock())
+            observed = self.kube.observe(owner)
+            now = self.clock()
+            plan = plan_reconcile(owner, observed, self.config, now)
             self.kube.execute(namespace, plan)
+            self._autoscale(owner, observed, plan, now)
             metrics.GROUP_RESTARTS.inc(plan.group_restarts)
             metrics.GROUP_UPDATES.inc(plan.group_updates)
             for type_, reason, message in plan.events:
                 self.post_event(owner, type_, reason, message)
             if status_changed(owner.get("status"), plan.status):
                 self.kube.patch_status(namespace, name, plan.status)
+            if plan.requeue_after is not None:
+                self.request_later(namespace, name, plan.requeue_after + 0.5)
         except ApiException as error:
             if going_away(error):
                 log.info("%s/%s or its namespace is being deleted; nothing to reconcile", namespace, name)
@@ -140,6 +173,54 @@ class Reconciler:
             raise
         finally:
             metrics.RECONCILE_DURATION.observe(time.perf_counter() - start)
+
+    def _autoscale(self, owner: dict, observed: Observed, plan: Plan, now: str) -> None:
+        """spec.autoscaling: read the demand, write spec.replicas through /scale when it changes."""
+        meta = owner["metadata"]
+        try:
+            spec = parse_spec(meta["name"], owner.get("spec") or {}, default_image=self.config.engine_image)
+        except SpecError:
+            return  # the plan reported it
+        if spec.autoscaling is None or not plan.status:
+            return
+        demand = self.demand(meta["namespace"], spec.served_name, observed)
+        previous = (owner.get("status") or {}).get("autoscaling")
+        settled = plan.status.get("readyReplicas", 0) >= spec.replicas and plan.status.get("replicas") == spec.replicas
+        desired, autoscaling = desired_replicas(
+            spec.replicas, demand, spec.autoscaling, previous, now, settled=settled
+        )
+        # Status is written as a merge patch: a key the new status drops (quietSince, once demand is
+        # back) must be sent as null, or the old one stays and the next delay is counted from it.
+        for dropped in (previous or {}).keys() - autoscaling.keys():
+            autoscaling[dropped] = None
+        plan.status["autoscaling"] = autoscaling
+        if desired != spec.replicas:
+            self.kube.scale(meta["namespace"], meta["name"], desired)
+            plan.events.append(("Normal", "Scaled", f"scaled from {spec.replicas} to {desired} groups: "
+                                f"{demand.waiting:.0f} waiting, {demand.running:.0f} running, "
+                                f"{demand.queued:.0f} queued in the gateway"))  # fmt: skip
+        plan.requeue(self.config.autoscale_interval_seconds)
+
+    def demand(self, namespace: str, served_name: str, observed: Observed) -> Demand:
+        """Requests waiting and running in the ready leaders, and queued for the model in the gateways."""
+        waiting = running = queued = 0.0
+        for pod in observed.pods:
+            ip = (pod.get("status") or {}).get("podIP")
+            if labels_of(pod).get(LABEL_POD_INDEX) != "0" or not ip or not is_pod_ready(pod):
+                continue
+            text = scrape(f"http://{ip}:{ENGINE_PORT}/metrics")
+            waiting += gauge_sum(text, "vllm:num_requests_waiting")
+            running += gauge_sum(text, "vllm:num_requests_running")
+        if self.config.gateway_selector:
+            try:
+                gateways = self.kube.pod_ips(self.config.gateway_namespace or namespace, self.config.gateway_selector)
+            except ApiException as error:  # e.g. no Role in the gateway's namespace: the engines still count
+                log.warning("cannot list the gateway pods for autoscaling: %s %s", error.status, error.reason)
+                gateways = []
+            for ip in gateways:
+                text = scrape(f"http://{ip}:{self.config.gateway_metrics_port}/metrics")
+                queued += gauge_sum(text, "lockstep_gateway_queue_depth", {"model": served_name})
+        return Demand(waiting=waiting, running=running, queued=queued)
 
     def _fail(self, owner: dict | None, message: str) -> None:
         metrics.RECONCILE_ERRORS.inc()

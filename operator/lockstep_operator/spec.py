@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lockstep_operator.autoscale import Autoscaling
 from lockstep_operator.constants import DEFAULT_NUM_SCHEDULER_STEPS
 
 # Flags the operator derives from spec fields; repeating them in extraArgs would be ambiguous.
@@ -79,6 +80,12 @@ class ServiceSpec:
     model_token_secret: SecretKey | None = None
     model_cache_claim: str | None = None
     api_key_secret: SecretKey | None = None
+    # Rolling updates, resolved against replicas: extra groups started at the new revision, and
+    # groups that may be out of service, while groups are replaced.
+    max_surge: int = 1
+    max_unavailable: int = 0
+    # spec.autoscaling: the operator sets spec.replicas (through the scale subresource) from demand.
+    autoscaling: Autoscaling | None = None
 
     @property
     def world_size(self) -> int:
@@ -205,6 +212,50 @@ def _check_env(raw: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(raw)
 
 
+_PERCENT_RE = re.compile(r"^(?P<value>\d{1,3})%$")
+
+
+def _int_or_percent(raw: Mapping[str, Any], key: str, field: str, default: int, replicas: int, round_up: bool) -> int:
+    """An IntOrString as Deployments take it: a count, or a percentage of replicas (surge rounds up,
+    unavailability down)."""
+    value = raw.get(key, default)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1024:
+        return value
+    match = _PERCENT_RE.match(value) if isinstance(value, str) else None
+    if match is None or int(match.group("value")) > 100:
+        raise SpecError(field, f"must be an integer in 0..1024 or a percentage such as '25%', got {value!r}")
+    share = int(match.group("value")) * replicas
+    return -(-share // 100) if round_up else share // 100
+
+
+def _check_rollout(raw: Mapping[str, Any], replicas: int) -> tuple[int, int]:
+    surge = _int_or_percent(raw, "maxSurge", "spec.rollout.maxSurge", 1, replicas, round_up=True)
+    unavailable = _int_or_percent(raw, "maxUnavailable", "spec.rollout.maxUnavailable", 0, replicas, round_up=False)
+    if raw.get("maxSurge", 1) in (0, "0%") and raw.get("maxUnavailable", 0) in (0, "0%"):
+        raise SpecError("spec.rollout", "maxSurge and maxUnavailable cannot both be 0 (no group could be replaced)")
+    if surge == 0 and unavailable == 0:
+        unavailable = 1  # percentages that round to nothing: as a Deployment, one at a time
+    return surge, unavailable
+
+
+def _check_autoscaling(raw: Any) -> Autoscaling | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise SpecError("spec.autoscaling", f"must be an object, got {type(raw).__name__}")
+    low = _int(raw, "minReplicas", "spec.autoscaling.minReplicas", 1, 0, 1024)
+    high = _int(raw, "maxReplicas", "spec.autoscaling.maxReplicas", None, 1, 1024)
+    if high is None:
+        raise SpecError("spec.autoscaling.maxReplicas", "is required (1..1024)")
+    assert low is not None
+    if low > high:
+        raise SpecError("spec.autoscaling.minReplicas", f"must be at most maxReplicas ({high}), got {low}")
+    target = _int(raw, "targetWaitingPerGroup", "spec.autoscaling.targetWaitingPerGroup", 2, 1, 65536)
+    delay = _int(raw, "scaleDownDelaySeconds", "spec.autoscaling.scaleDownDelaySeconds", 300, 0, 86400)
+    assert target is not None and delay is not None
+    return Autoscaling(min_replicas=low, max_replicas=high, target_waiting_per_group=target, scale_down_delay_seconds=delay)
+
+
 def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> ServiceSpec:
     """Validate an LLMService's `spec` and fill in defaults; raises SpecError."""
     _check_name(name)
@@ -248,6 +299,7 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
     replicas = _int(raw, "replicas", "spec.replicas", 1, 0, 1024)
     startup_timeout = _int(startup, "timeoutSeconds", "spec.startup.timeoutSeconds", 1800, 30, 86400)
     assert replicas is not None and startup_timeout is not None
+    max_surge, max_unavailable = _check_rollout(_section(raw, "rollout"), replicas)
     shm_size = engine.get("shmSize")
     source = _check_source(model.get("source"))
     endpoint = model.get("endpoint")
@@ -283,4 +335,7 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
         model_token_secret=_check_secret_key(model.get("tokenSecret"), "spec.model.tokenSecret", "token"),
         model_cache_claim=cache_claim,
         api_key_secret=_check_secret_key(engine.get("apiKeySecret"), "spec.engine.apiKeySecret", "api-key"),
+        max_surge=max_surge,
+        max_unavailable=max_unavailable,
+        autoscaling=_check_autoscaling(raw.get("autoscaling")),
     )

@@ -25,6 +25,8 @@ import httpx
 import pytest
 
 from api_harness import REPO, START_TIMEOUT_S, free_port
+from http_probe import listener_pids, parse, raw
+from http_probe import probe as probe_port
 
 HEADER_TIMEOUT_S = 1.0
 BLOCK_DEADLINE_S = 60.0  # for the loop to reach the blocking write; seconds on a loaded 2-core machine
@@ -107,44 +109,23 @@ def server():
         server.stop()
 
 
-def raw(server: PipedServer, data: bytes, timeout: float = 30.0) -> bytes:
-    """Sends `data` on a new connection and reads until the server closes it."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
-        sock.sendall(data)
-        received = b""
-        while chunk := sock.recv(1 << 16):
-            received += chunk
-    return received
-
-
-def parse(response: bytes) -> tuple[int, list[bytes], dict[bytes, bytes], bytes]:
-    head, _, body = response.partition(b"\r\n\r\n")
-    status_line, *lines = head.split(b"\r\n")
-    headers = [line.split(b":", 1) for line in lines]
-    return int(status_line.split()[1]), [n.lower() for n, _ in headers], {n.lower(): v.strip() for n, v in headers}, body
-
-
 def probe(server: PipedServer, connection: http.client.HTTPConnection | None = None) -> int:
-    connection = connection or http.client.HTTPConnection("127.0.0.1", server.port, timeout=PROBE_TIMEOUT_S)
-    connection.request("GET", "/health")
-    response = connection.getresponse()
-    response.read()
-    return response.status
+    return probe_port(server.port, connection, PROBE_TIMEOUT_S)
 
 
 def test_the_listener_answers_as_the_app_and_passes_everything_else_on(server):
     close = b"Host: x\r\nConnection: close\r\n\r\n"
-    listener = parse(raw(server, b"GET /health HTTP/1.1\r\nX-Request-Id: probe-1\r\n" + close))
+    listener = parse(raw(server.port, b"GET /health HTTP/1.1\r\nX-Request-Id: probe-1\r\n" + close))
     # An Origin header sends the probe to the app (CORS could apply): the app's own answer to compare with.
-    app = parse(raw(server, b"GET /health HTTP/1.1\r\nOrigin: http://example\r\nX-Request-Id: probe-2\r\n" + close))
+    app = parse(raw(server.port, b"GET /health HTTP/1.1\r\nOrigin: http://example\r\nX-Request-Id: probe-2\r\n" + close))
     assert listener[0] == app[0] == 200
     assert listener[1] == app[1]  # the same headers in the same order
     assert listener[3] == app[3] == b""
     assert listener[2][b"x-request-id"] == b"probe-1" and app[2][b"x-request-id"] == b"probe-2"
-    assert parse(raw(server, b"GET /ping HTTP/1.1\r\n" + close))[0] == 200
+    assert parse(raw(server.port, b"GET /ping HTTP/1.1\r\n" + close))[0] == 200
 
     # Pipelined: the listener answers the probe, the app the request behind it, in order.
-    both = raw(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /version HTTP/1.1\r\n" + close)
+    both = raw(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /version HTTP/1.1\r\n" + close)
     first, second = both.split(b"HTTP/1.1 ")[1:]
     assert parse(b"HTTP/1.1 " + first)[0] == 200 and parse(b"HTTP/1.1 " + second)[3] == b'{"version":"0.1.0"}'
 
@@ -160,9 +141,9 @@ def test_the_listener_answers_as_the_app_and_passes_everything_else_on(server):
 
     # What the listener does not answer: HEAD (405 from the app, as before), a query string (the app's 400
     # for a key in it), a malformed request (h11's 400).
-    assert parse(raw(server, b"HEAD /health HTTP/1.1\r\n" + close))[0] == 405
-    assert parse(raw(server, b"GET /health?api_key=x HTTP/1.1\r\n" + close))[0] == 400
-    assert parse(raw(server, b"GET /health HTTP/1.1\r\n\r\n"))[0] == 400  # no Host
+    assert parse(raw(server.port, b"HEAD /health HTTP/1.1\r\n" + close))[0] == 405
+    assert parse(raw(server.port, b"GET /health?api_key=x HTTP/1.1\r\n" + close))[0] == 400
+    assert parse(raw(server.port, b"GET /health HTTP/1.1\r\n\r\n"))[0] == 400  # no Host
 
     # A probe that arrives in pieces is answered; headers that never end are closed after the header timeout,
     # in the listener (a probe) or in the app (any other request, its deadline carried over).
@@ -172,7 +153,7 @@ def test_the_listener_answers_as_the_app_and_passes_everything_else_on(server):
         assert parse(sock.recv(1 << 16))[0] == 200
     for start in (b"GET /health HTTP/1.1\r\nHost: x\r\n", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):
         started = time.monotonic()
-        assert raw(server, start) == b""  # closed without an answer
+        assert raw(server.port, start) == b""  # closed without an answer
         assert time.monotonic() - started >= HEADER_TIMEOUT_S * 0.9
 
 
@@ -239,9 +220,8 @@ def test_a_stopped_api_process_is_not_reported_healthy(server):
 def test_serve_exits_1_when_its_listener_dies(server):
     """Without its listener the server takes no connections: it exits non-zero, so that its supervisor restarts
     it (this test ends the module's server)."""
-    children = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(int(pid)) == server.process.pid]
-    listeners = [pid for pid in children if b"health_listener" in _cmdline(pid)]
-    assert len(listeners) == 1, children
+    listeners = listener_pids(server.process.pid)
+    assert len(listeners) == 1, listeners
     os.kill(listeners[0], signal.SIGKILL)
     assert server.process.wait(60) == 1
     deadline = time.monotonic() + 10  # for the reader thread to take the last lines from the pipe
@@ -249,18 +229,3 @@ def test_serve_exits_1_when_its_listener_dies(server):
         assert time.monotonic() < deadline, server.output.decode(errors="replace")[-2000:]
         time.sleep(0.05)
 
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None  # gone meanwhile
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read()
-    except OSError:
-        return b""

@@ -3,6 +3,7 @@ serves the next request; a dead or frozen core makes `lockstep serve` exit non-z
 bounds (queue, header and body read time) and secrets (key files, query-string keys) hold."""
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -272,3 +273,44 @@ def test_serve_exits_non_zero_when_its_core_dies_or_freezes(how):
             except ProcessLookupError:
                 pass
         server.stop()
+
+
+def _raw_exchange(server, request: bytes, timeout_s: float = 10.0) -> bytes:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        sock.sendall(request)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+])
+def test_protocol_level_400s_are_openai_shaped(tiny, request_bytes):
+    head, _, body = _raw_exchange(tiny, request_bytes).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, head
+    error = json.loads(body)["error"]
+    assert error["type"] == "BadRequestError" and "not valid HTTP/1.1" in error["message"]
+    serves_next_request(tiny)
+
+
+def test_two_authorization_headers_are_refused(tiny):
+    key = tiny.headers()["Authorization"]
+    response = httpx.post(f"{tiny.url}/v1/completions", timeout=30, content=b'{"prompt": [1], "max_tokens": 1}',
+                          headers=[("Authorization", key), ("Authorization", key),
+                                   ("Content-Type", "application/json")])
+    error = assert_400(response, "authorization")
+    assert "send exactly one" in error["message"]
+
+
+def test_a_json_decode_error_names_no_byte_offset_as_param(tiny):
+    error = assert_400(post(tiny, "/v1/completions", content=b'{"model": "random:tiny", "prompt": [1], '), None)
+    assert error["param"] is None and "not valid JSON" in error["message"] and "at byte" in error["message"]

@@ -12,6 +12,7 @@ import httpx
 from gateway_harness import MODEL, Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
+from hostile_bodies import send_all
 from schema_fuzz import run_fuzz
 
 MIN_GENERATED = 5000
@@ -28,6 +29,8 @@ def test_schema_fuzz_through_the_gateway_gets_no_5xx(log_dir, start_gateway):
         generated, seconds, summary = run_fuzz(gateway.url + "/openapi.json", seed=15, seconds=FUZZ_SECONDS)
         print(f"schema fuzz: {generated} generated requests through the gateway in {seconds:.0f} s\n{summary}")
         assert generated >= MIN_GENERATED, summary
+        hostile = send_all(gateway.url, MODEL)  # raw invalid UTF-8, wrong-typed tool fields: 400s, via the gateway
+        assert [(name, status) for name, status, error, _ in hostile if status != 400 or error is None] == []
         metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
         server_errors = [line for line in metrics.splitlines()
                          if line.startswith("lockstep_gateway_requests_total") and 'status="5' in line]

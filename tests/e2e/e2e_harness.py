@@ -1,5 +1,5 @@
 """Helpers of the end-to-end tests (tests/e2e/conftest.py has the fixtures): polling with a deadline,
-scenario lines, kubectl, and the LLMService the scenarios apply.
+scenario lines, kubectl, the LLMService the scenarios apply, and the Prometheus scenario's discovery.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from child_process import stop_child
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = Path(os.environ.get("LOCKSTEP_E2E_CHART", ROOT / "charts" / "lockstep"))
+EXAMPLE = CHART / "examples" / "llmservice.yaml"  # the file the docs apply
 KUBECONFIG = os.environ.get("LOCKSTEP_E2E_KUBECONFIG", "")
 NAMESPACE = "lockstep"
 RELEASE = "lockstep"
@@ -133,6 +134,8 @@ RELEASE_VALUES: dict[str, Any] = {
     "gateway": {
         "replicas": 1,
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
+        # A request at zero groups waits while a group starts: about 80 s on this loaded node.
+        "extraArgs": ["--queue-timeout=600"],
     },
     "operator": {
         "resyncSeconds": 10,
@@ -179,3 +182,46 @@ def llmservice(
             "startup": {"timeoutSeconds": 600},
         },
     }
+
+
+def meta_label(name: str) -> str:
+    """A Kubernetes label as Prometheus' service discovery names it (`__meta_kubernetes_pod_label_<name>`)."""
+    return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def discovered_pod_targets(kubectl: Kubectl) -> list[dict[str, Any]]:
+    """What Prometheus' `kubernetes_sd_configs` (role: pod) discovers in the namespace, as file_sd groups:
+    one target per container port of every running pod, with the pod's labels as meta labels. Debian's
+    prometheus 2.42 is built without kubernetes_sd, so the test lists the pods and hands them over."""
+    groups = []
+    for pod in kubectl.json("get", "pods", "-n", NAMESPACE)["items"]:
+        ip = pod["status"].get("podIP")
+        if pod["status"].get("phase") != "Running" or not ip:
+            continue
+        labels = {meta_label(k): v for k, v in pod["metadata"].get("labels", {}).items()}
+        labels |= {"__meta_kubernetes_namespace": NAMESPACE, "__meta_kubernetes_pod_name": pod["metadata"]["name"]}
+        for container in pod["spec"]["containers"]:
+            for port in container.get("ports", []):
+                groups.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": labels | {
+                    "__meta_kubernetes_pod_container_name": container["name"],
+                    "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                    "__meta_kubernetes_pod_container_port_number": str(port["containerPort"])}})  # fmt: skip
+    return groups
+
+
+def podmonitor_scrape_config(monitor: dict[str, Any], file_sd: str) -> dict[str, Any]:
+    """The PodMonitor as Prometheus Operator translates it: keep pods whose labels match the selector and
+    the named port, then the monitor's own relabelings."""
+    spec = monitor["spec"]
+    relabel: list[dict[str, Any]] = [
+        {"source_labels": [meta_label(k)], "regex": v, "action": "keep"} for k, v in spec["selector"]["matchLabels"].items()
+    ]
+    for expr in spec["selector"].get("matchExpressions", []):
+        action = {"In": "keep", "NotIn": "drop"}[expr["operator"]]
+        relabel.append({"source_labels": [meta_label(expr["key"])], "regex": "|".join(expr["values"]), "action": action})
+    endpoint = spec["podMetricsEndpoints"][0]
+    relabel.append({"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": endpoint["port"], "action": "keep"})
+    relabel.append({"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"})
+    relabel += [{"source_labels": r["sourceLabels"], "target_label": r["targetLabel"]} for r in endpoint.get("relabelings", [])]
+    return {"job_name": "engines", "metrics_path": endpoint.get("path", "/metrics"),
+            "file_sd_configs": [{"files": [file_sd]}], "relabel_configs": relabel}  # fmt: skip

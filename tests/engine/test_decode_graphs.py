@@ -20,7 +20,7 @@ def _params():
 
 
 def _tokens(llm: LLM, params) -> list[list[int]]:
-    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:len(params)], params)]
 
 
 @pytest.mark.parametrize("steps", [1, 8])
@@ -83,3 +83,19 @@ def test_engines_sharing_a_model_run_the_attention_backend_they_ask_for():
     LLM("random:tiny", share_model_with=base, max_num_seqs=8)  # auto: the runner's own backend and graphs
     assert runner.backend.name == "triton" and runner.graphs is not None
     assert _tokens(base, _params()) == triton_tokens
+
+
+def test_windows_with_a_logit_bias_or_bad_words_give_the_eager_tokens():
+    # The graphs hold no logit bias: replaying such a window sampled as if allowed_token_ids, logit_bias and
+    # bad words were not there (on CUDA, before it ran such windows eagerly).
+    llm = LLM("random:tiny", device="cpu", num_scheduler_steps=8, num_gpu_blocks_override=256, max_num_seqs=8)
+    runner = llm.engine.executor.runner
+    free = _tokens(llm, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 3)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, allowed_token_ids=[5, 9]),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             bad_words_token_ids=[free[2][3:5], free[2][10:11]])]
+    eager = _tokens(llm, params)
+    runner.graphs = DecodeGraphs(runner.steps, capture=False)
+    assert _tokens(llm, params) == eager
+    assert set(eager[0]) <= {5, 9} and set(eager[1]) == {7} and free[2][10] not in eager[2]

@@ -109,7 +109,7 @@ def test_the_core_process_tells_the_client_and_serves_the_others():
             last.append(message)
             assert not isinstance(message, p.CoreFailed), message.message
             if isinstance(message, p.StepOutputs):
-                for output in message.outputs:
+                for output in message.all_outputs():
                     tokens.setdefault(output.request_id, []).extend(output.token_ids)
                     if output.finish_reason is not None:
                         finish[output.request_id] = output.finish_reason

@@ -4,6 +4,7 @@ import pickle
 
 from lockstep import protocol as p
 from lockstep_engine.sampling_params import SamplingParams
+from lockstep_engine.sequence import Request
 
 PROMPTS = [[1, 5, 9, 13], [100, 200, 300], [7] * 20, [42, 43]]
 
@@ -113,3 +114,31 @@ def test_core_emits_protocol_outputs_that_cross_the_pipe_as_they_are(tiny):
     assert [type(e) for o in emitted for e in o.logprobs] == [p.TokenLogprobs] * 3
     assert [o.finish_reason for o in emitted] == [None, None, "length"]
     assert pickle.loads(pickle.dumps(p.StepOutputs(emitted, 0.0))).outputs == emitted
+
+
+def test_a_steps_common_rows_cross_the_pipe_as_one_batch_and_the_others_as_outputs(tiny):
+    """Rows needing only their token go out as the step's `TokenBatch`; a row with logprobs, a finish or
+    a first window takes the per-row path. Either way each request gets the tokens it gets alone."""
+    core = tiny.engine.core
+    params = {"plain": SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              "logprobs": SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True),
+              "short": SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)}
+    prompts = {"plain": [5, 6, 7], "logprobs": [8, 9, 10, 11], "short": [12, 13]}
+    for request_id, sampling in params.items():
+        core.add_request(Request(request_id, prompts[request_id], sampling, core.config.max_model_len, 0))
+    steps = []
+    while core.has_unfinished():
+        core.step(lambda step: steps.append(pickle.loads(pickle.dumps(step))))
+    tokens, finishes = {}, {}
+    for step in steps:
+        for output in step.all_outputs():
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+            finishes[output.request_id] = output.finish_reason
+    for request_id, sampling in params.items():
+        assert tokens[request_id] == tiny.generate([prompts[request_id]], sampling)[0].outputs[0].token_ids
+        assert finishes[request_id] == "length"
+    batched = [b.request_ids[i] for b in (s.batch for s in steps if s.batch) for i, t in enumerate(b.token_ids) if t >= 0]
+    assert set(batched) == {"plain", "short"}  # after their first window, before their last token
+    per_row = [o for s in steps for o in s.outputs]
+    assert all(o.logprobs for o in per_row if o.request_id == "logprobs")
+    assert sum(o.request_id == "logprobs" for o in per_row) == 12

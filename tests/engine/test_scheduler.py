@@ -7,9 +7,10 @@ from lockstep_engine.sequence import Request, SequenceStatus
 
 
 def _scheduler(num_blocks=64, steps=8, max_seqs=8, budget=64, block_size=4, policy="fcfs", max_wait=2.0,
-               clock=lambda: 0.0):
+               clock=lambda: 0.0, long_threshold=0, max_long=1):
     limits = SchedulerLimits(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=512,
-                             num_scheduler_steps=steps, scheduling_policy=policy, lof_max_wait_s=max_wait)
+                             num_scheduler_steps=steps, scheduling_policy=policy, lof_max_wait_s=max_wait,
+                             long_prefill_token_threshold=long_threshold, max_long_partial_prefills=max_long)
     return Scheduler(limits, BlockManager(num_blocks, block_size), clock=clock)
 
 
@@ -52,6 +53,55 @@ def test_chunked_prefill_splits_a_long_prompt_and_decodes_ride_along():
     _finish_window(scheduler, plan)
     plan = scheduler.schedule()
     assert [(r.seq.request.request_id, r.num_new_tokens) for r in plan.rows] == [("short", 1), ("long", 15)]
+
+
+def _chunks(plan) -> list[tuple[str, int, bool]]:
+    return [(r.seq.request.request_id, r.num_new_tokens, r.samples) for r in plan.rows]
+
+
+def test_a_long_prompt_computes_at_most_the_threshold_per_step_beside_a_decoding_stream():
+    """Under a budget of 64, a 40-token prompt would be one step; over the threshold of 12 it is four
+    chunks of at most 12 tokens, so the stream beside it gets a token after every 12-token step."""
+    scheduler = _scheduler(budget=64, long_threshold=12)
+    scheduler.add_request(_request("stream", 4))
+    _finish_window(scheduler, scheduler.schedule())
+    # no prefix shared with the stream's prompt
+    scheduler.add_request(Request("long", list(range(100, 140)), SamplingParams(max_tokens=32), 512, seed=0))
+    chunks = []
+    for _ in range(4):
+        plan = scheduler.schedule()
+        assert _chunks(plan)[0] == ("stream", 1, True)
+        chunks.append(_chunks(plan)[1])
+        _finish_window(scheduler, plan)
+    assert chunks == [("long", 12, False), ("long", 12, False), ("long", 12, False), ("long", 4, True)]
+
+
+def test_a_prompt_at_the_threshold_is_not_cut_and_zero_turns_the_cap_off():
+    for threshold, expected in ((40, [("a", 40, True)]), (0, [("a", 40, True)]), (39, [("a", 39, False)])):
+        scheduler = _scheduler(long_threshold=threshold)
+        scheduler.add_request(_request("a", 40))
+        assert _chunks(scheduler.schedule()) == expected, threshold
+
+
+def test_one_long_prompt_is_partly_computed_at_a_time_and_the_queue_behind_it_waits():
+    """max_long_partial_prefills=1: the second long prompt (and the short one queued after it) starts
+    once the first has its last chunk; with 2, both long prompts take a chunk in the same step."""
+    scheduler = _scheduler(budget=64, long_threshold=10)
+    for name, length in (("long1", 25), ("long2", 25), ("short", 3)):
+        scheduler.add_request(_request(name, length))
+    seen = []
+    for _ in range(3):
+        plan = scheduler.schedule()
+        seen.append(_chunks(plan))
+        _finish_window(scheduler, plan)
+    assert seen[0] == [("long1", 10, False)]
+    assert seen[1] == [("long1", 10, False)]
+    # long1's last chunk is no longer long: long2 may start, and short after it
+    assert seen[2] == [("long1", 5, True), ("long2", 10, False), ("short", 3, True)]
+    scheduler = _scheduler(budget=64, long_threshold=10, max_long=2)
+    for name, length in (("long1", 25), ("long2", 25), ("short", 3)):
+        scheduler.add_request(_request(name, length))
+    assert _chunks(scheduler.schedule()) == [("long1", 10, False), ("long2", 10, False), ("short", 3, True)]
 
 
 def test_max_num_seqs_limits_admission():
@@ -155,6 +205,31 @@ def test_priority_engine_serves_the_most_urgent_first_with_the_same_greedy_token
     assert results["priority"][0] == results["fcfs"][0]
 
 
+def test_a_long_prompt_chunked_by_the_threshold_gives_the_greedy_tokens_of_one_step(tiny):
+    """A 150-token prompt beside a decoding stream, with 16 prompt tokens a step at most and without a
+    cap: the same greedy tokens for both requests."""
+    from lockstep_engine.llm import LLM
+
+    long_prompt = [(13 * i) % 900 + 5 for i in range(150)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for threshold in (0, 16):
+        llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=8, long_prefill_token_threshold=threshold)
+        engine, tokens, prompt_steps = llm.engine, {}, []
+        ids = [engine.add_request([4, 8, 15, 16, 23], greedy)]
+        engine.step()
+        ids.append(engine.add_request(long_prompt, greedy))
+        while engine.has_unfinished_requests():
+            before = engine.core.stats.num_prompt_tokens_computed
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+            prompt_steps.append(engine.core.stats.num_prompt_tokens_computed - before)
+        results[threshold] = [tokens[i] for i in ids]
+        assert max(prompt_steps) == (150 if threshold == 0 else 16)
+    assert results[16] == results[0]
+
+
 def _run_window(scheduler, plan):
     """Every sampling row decodes its window's tokens; rows at their limit finish."""
     _finish_window(scheduler, plan)
@@ -216,6 +291,22 @@ def test_n_samples_prefill_once_then_fork():
     assert [r.num_new_tokens for r in plan.rows] == [1, 1, 1] and all(r.samples for r in plan.rows)
     # the shared block with the last prompt slot was copied for two of the three samples
     assert len(plan.block_copies) == 2
+
+
+def test_complete_rows_advances_every_row_registers_filled_blocks_and_counts_waste():
+    scheduler = _scheduler(budget=16)
+    for name, prompt_len in (("early", 4), ("full", 4), ("chunk", 40)):
+        scheduler.add_request(_request(name, prompt_len))
+    plan = scheduler.schedule()
+    early, full, chunk = plan.rows
+    assert (early.samples, full.samples, chunk.samples, chunk.num_new_tokens) == (True, True, False, 8)
+    early.seq.token_ids += [7, 7]  # sampled 2 of the 8 steps, then stopped
+    early.seq.status = SequenceStatus.FINISHED_STOPPED
+    full.seq.token_ids += [7] * 8
+    assert scheduler.complete_rows(plan.rows, [2, 8, 0], 8) == 6  # early's 6 steps after its stop
+    assert (early.seq.num_computed, full.seq.num_computed, chunk.seq.num_computed) == (5, 11, 8)
+    # full blocks of the running rows enter the prefix cache; the finished row's do not
+    assert (early.seq.num_hashed_blocks, full.seq.num_hashed_blocks, chunk.seq.num_hashed_blocks) == (0, 2, 2)
 
 
 def test_auto_shrinks_with_waiting_requests_and_grows_in_steady_decode():

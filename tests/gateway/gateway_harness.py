@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+from lockstep_gateway.metrics import engine_id
 
 MODEL = "random:tiny"
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +44,20 @@ def wait_for(what: str, check: Callable[[], object], timeout: float = 30.0, inte
             last = error
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    if int(handle.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
 
 
 class Process:
@@ -146,6 +161,8 @@ class Gateway(Process):
             raise AssertionError(f"{error}\nengines: {self.engines()}\ngateway log:\n{self.log_tail()}") from None
 
     def metric(self, name: str, **labels: str) -> float:
+        if "engine" in labels:  # the series carry the engine's id, not its URL
+            labels["engine"] = engine_id(labels["engine"])
         text = httpx.get(self.url + "/metrics", timeout=5).text
         total = 0.0
         for line in text.splitlines():
@@ -193,6 +210,24 @@ def gateway_starter(log_dir: Path) -> Iterator[Callable[..., Gateway]]:
     finally:
         for gateway in started:
             gateway.stop()
+
+
+def start_up(model: str, port: int, log_path: Path, *args: str) -> subprocess.Popen:
+    """`lockstep up MODEL --port PORT ARGS` (engines with a 64 MiB KV cache, one CPU thread each), its output in
+    `log_path`."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "lockstep.cli", "up", model, "--port", str(port),
+                                 "--kv-cache-memory-bytes", str(64 << 20), *args], stdout=log, stderr=subprocess.STDOUT,
+                                cwd=REPO, env={**os.environ, "LOCKSTEP_CPU_THREADS": "1"})
+
+
+def wait_up(up: subprocess.Popen, url: str, log_path: Path, engines: int, timeout: float) -> None:
+    """Until the gateway of `up` at `url` sees `engines` healthy engines (failing at once if `up` exits)."""
+    def ready():
+        assert up.poll() is None, log_path.read_text()
+        return httpx.get(url + "/health", timeout=2).json()["healthy_engines"] == engines
+
+    wait_for(f"{engines} engine(s) behind the gateway", ready, timeout=timeout, interval=0.2)
 
 
 # ---- a fake engine for failures on demand ------------------------------------------------------

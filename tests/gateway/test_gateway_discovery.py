@@ -19,6 +19,7 @@ import httpx
 import pytest
 from gateway_harness import MODEL, wait_for
 from lockstep_gateway.discovery import (
+    SERVED_MODEL_LABEL,
     KubeAPI,
     KubernetesDiscovery,
     apply_event,
@@ -280,3 +281,51 @@ def test_kubeconfig_credentials_inline_or_as_files(tmp_path):
                                         "certificate-authority": str(tmp_path / "cert.pem")}
     path.write_text(json.dumps(config))
     assert KubeAPI.from_kubeconfig(str(path)).headers() == {"Authorization": "Bearer abc"}
+
+
+def test_a_service_with_no_engines_still_declares_its_model():
+    """A leader Service scaled to zero has an EndpointSlice with no endpoints; its served-model label
+    (copied from the Service) tells the gateway the model exists, so its requests wait in the queue."""
+
+    class Lists(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            if "watch=true" in self.path:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(json.dumps({"type": "DELETED", "object": {**labelled("idle", []), "metadata": {
+                    "name": "idle", "resourceVersion": "2", "labels": {SERVED_MODEL_LABEL: "smollm2"}}}}).encode() + b"\n")
+                self.close_connection = True
+                return
+            body = {"metadata": {"resourceVersion": "1"}, "items": [labelled("idle", [])]}
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+    def labelled(name: str, endpoints: list[dict]) -> dict:
+        item = _slice(name, endpoints)
+        item["metadata"]["labels"] = {SERVED_MODEL_LABEL: "smollm2"}
+        return item
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lists)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    declared: list[list[str]] = []
+    discovery = KubernetesDiscovery(KubeAPI(f"http://127.0.0.1:{server.server_address[1]}", False, "t", None), "ns",
+                                    "a=b", lambda source, urls: None, retry_s=0.01,
+                                    declare_models=lambda source, names: declared.append(names))  # fmt: skip
+
+    async def run():
+        task = asyncio.create_task(discovery.run())
+        deadline = time.monotonic() + 10
+        while declared[-1:] != [[]] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run())
+    server.shutdown()
+    assert declared[:2] == [["smollm2"], []]  # listed with no endpoints; forgotten when its slice goes

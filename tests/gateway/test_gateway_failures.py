@@ -7,9 +7,11 @@ import asyncio
 import json
 import signal
 import time
+from pathlib import Path
 
 import httpx
 from gateway_harness import MODEL, Engine, FakeEngine, free_port, wait_for
+from planted_fault_engine import PLANTED_PROMPT
 
 LONG = 2000  # tokens: longer than any test waits for
 
@@ -269,28 +271,33 @@ def test_a_refused_connection_is_retried_without_the_budget(engines, start_gatew
 def test_consecutive_failures_open_the_breaker_and_a_probe_closes_it(engines, start_gateway):
     with FakeEngine([MODEL], behaviour="status:500") as fake:
         gateway = start_gateway(f"--engine={fake.url}", f"--engine={engines[0].url}", "--routing=round-robin",
-                                "--breaker-failures=2", "--breaker-cooldown=2",
+                                "--breaker-failures=2", "--breaker-cooldown=10",
                                 expect_healthy={fake.url, engines[0].url})
+        # The cooldown outlasts the ten requests of the open phase on a loaded machine (at 2 s, six
+        # requests on two busy cores once reached the half-open probe and saw the fake's 502).
         first = _posts(gateway, n=4)
         assert fake.num_posts == 2 and sorted(r.status_code for r in first) == [200, 200, 502, 502]
         assert gateway.metric("lockstep_gateway_breaker_opened_total", engine=fake.url) == 1
         assert [r.status_code for r in _posts(gateway, n=6)] == [200] * 6  # open: the fake gets nothing
         assert fake.num_posts == 2
         fake.behaviour = "ok"
-        wait_for("the half-open probe", lambda: _posts(gateway, n=1) and fake.num_posts >= 3, timeout=10)
+        wait_for("the half-open probe", lambda: _posts(gateway, n=1) and fake.num_posts >= 3, timeout=30)
         probed = fake.num_posts
         assert [r.status_code for r in _posts(gateway, n=4)] == [200] * 4
         assert fake.num_posts >= probed + 1  # the probe succeeded: closed again, round robin reaches it
 
 
-def test_503_with_retry_after_when_every_engine_is_down(start_gateway):
+def test_when_every_engine_is_down_a_request_waits_out_the_queue_timeout_then_429(start_gateway):
     never_up = f"http://127.0.0.1:{free_port()}"
     with FakeEngine([MODEL], behaviour="ok") as fake:
-        gateway = start_gateway(f"--engine={fake.url}", "--retry-after=7", expect_healthy={fake.url})
+        gateway = start_gateway(f"--engine={fake.url}", "--retry-after=7", "--queue-timeout=0.5",
+                                expect_healthy={fake.url})
     gateway.wait_engines(set())  # the fake is gone: ejected
+    started = time.monotonic()
     response = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": [1]}, timeout=10)
-    assert response.status_code == 503 and response.headers["retry-after"] == "7"
-    assert response.json()["error"]["type"] == "ServiceUnavailableError"
+    assert time.monotonic() - started >= 0.5  # it waited for an engine to come back
+    assert response.status_code == 429 and response.headers["retry-after"] == "7"
+    assert response.json()["error"]["type"] == "RateLimitError"
 
     # An engine never seen up might serve any model: 503, not 404, for a name nobody listed yet.
     gateway = start_gateway(f"--engine={never_up}", "--retry-after=7")
@@ -298,9 +305,9 @@ def test_503_with_retry_after_when_every_engine_is_down(start_gateway):
     assert response.status_code == 503 and response.headers["retry-after"] == "7"
 
 
-def test_503_with_retry_after_when_the_models_engines_are_down_or_saturated(engines, start_gateway):
+def test_without_a_queue_503_with_retry_after_when_the_models_engines_are_saturated(engines, start_gateway):
     gateway = start_gateway(f"--engine={engines[0].url}", "--max-in-flight-per-engine=1", "--retry-after=3",
-                            expect_healthy={engines[0].url})
+                            "--max-queue-length=0", expect_healthy={engines[0].url})
 
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -364,3 +371,31 @@ def test_a_real_engine_at_its_queue_limit_refuses_retryable_and_the_gateway_retr
         assert gateway.metric("lockstep_gateway_upstream_requests_total", engine=busy.url, outcome="ok") == 0
     finally:
         busy.stop()
+
+
+def test_request_caused_500s_never_open_the_breaker(log_dir, start_gateway):
+    """Ten requests that make both engines answer 500 (a bug their input reaches; the engines stay healthy
+    and mark the 500 as the request's) leave both breakers closed: every valid request after them succeeds.
+    Before, they opened both breakers and valid requests got 503 for the cool-down."""
+    engines = [Engine(f"planted-{name}", log_dir) for name in ("a", "b")]
+    for engine in engines:
+        engine.argv[1:3] = [str(Path(__file__).parent / "planted_fault_engine.py")]  # instead of -m lockstep.cli
+        engine.start()
+    try:
+        for engine in engines:
+            engine.wait_healthy()
+        gateway = start_gateway(*(f"--engine={e.url}" for e in engines), "--routing=round-robin",
+                                "--breaker-failures=2", "--breaker-cooldown=30",
+                                expect_healthy={e.url for e in engines})
+        faults = _posts(gateway, {"model": MODEL, "prompt": PLANTED_PROMPT, "max_tokens": 1}, n=10)
+        for response in faults:
+            error = _gateway_error(response, 500)
+            assert "reports the request as the cause" in error["message"]
+        valid = _posts(gateway, n=10)
+        assert [r.status_code for r in valid] == [200] * 10, [r.text for r in valid]
+        for engine in engines:
+            assert gateway.metric("lockstep_gateway_breaker_opened_total", engine=engine.url) == 0
+            assert gateway.engines()[engine.url]["breaker_open"] is False
+    finally:
+        for engine in engines:
+            engine.stop()

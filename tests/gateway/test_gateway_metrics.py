@@ -39,3 +39,16 @@ def test_request_latency_health_ejection_and_in_flight_metrics_move(start_gatewa
     gateway.wait_engines(set())
     assert gateway.metric("lockstep_gateway_ejections_total", engine=steady.url) == 1
     assert gateway.metric("lockstep_gateway_upstream_healthy", engine=steady.url) == 0
+
+
+def test_metrics_carry_engine_ids_not_urls(start_gateway):
+    """/metrics needs no key: its engine label is an id; /gateway/engines (the key's side) maps it to the URL."""
+    with FakeEngine([MODEL], behaviour="ok") as engine:
+        gateway = start_gateway(f"--engine={engine.url}", expect_healthy={engine.url})
+        assert httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": [1]},
+                          timeout=10).status_code == 200
+        text = httpx.get(gateway.url + "/metrics", timeout=10).text
+        listed = gateway.engines()[engine.url]
+        assert f'engine="{listed["id"]}"' in text and engine.url not in text
+        port = engine.url.rsplit(":", 1)[1]
+        assert f":{port}" not in text

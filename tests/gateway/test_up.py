@@ -8,13 +8,24 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from gateway_harness import ENGINE_START_TIMEOUT_S, MODEL, REPO, free_port, wait_for
+from gateway_harness import ENGINE_START_TIMEOUT_S, MODEL, free_port, start_up, wait_for, wait_up
+from http_probe import listener_pids
+
+
+def _kill_whole(up) -> None:
+    """After a failed assertion: take the engines down with `up`, or they outlive the test."""
+    if up.poll() is None:
+        leftover = _descendants(up.pid)
+        up.kill()
+        up.wait()
+        for pid in leftover:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _descendants(pid: int) -> set[int]:
@@ -86,19 +97,10 @@ def _accepts(port: int) -> bool:
 def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind(tmp_path):
     port = free_port()
     log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "up", MODEL, "--replicas", "2",
-                               "--port", str(port), "--kv-cache-memory-bytes", str(64 << 20),
-                               "--num-scheduler-steps", "4"],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                              env={**os.environ, "LOCKSTEP_CPU_THREADS": "1"})
+    up = start_up(MODEL, port, log_path, "--replicas", "2", "--num-scheduler-steps", "4")
     url = f"http://127.0.0.1:{port}"
     try:
-        def ready():
-            assert up.poll() is None, log_path.read_text()
-            return httpx.get(url + "/health", timeout=2).json()["healthy_engines"] == 2
-
-        wait_for("both engines behind the gateway", ready, timeout=ENGINE_START_TIMEOUT_S, interval=0.2)
+        wait_up(up, url, log_path, 2, timeout=ENGINE_START_TIMEOUT_S)
         response = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
         assert response.status_code == 200 and response.json()["model"] == MODEL
         processes = _descendants(up.pid)
@@ -118,7 +120,7 @@ def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind
         killed_at = time.monotonic()
         wait_for("the crashed engine to be ejected",
                  lambda: httpx.get(url + "/health", timeout=2).json()["healthy_engines"] == 1, timeout=30)
-        wait_for("the restarted engine to be readmitted", ready, timeout=60, interval=0.2)
+        wait_up(up, url, log_path, 2, timeout=60)  # the restarted engine readmitted
         back_after = time.monotonic() - killed_at
         load.stop()
         failed = [(started, status) for started, status in load.results if status != 200]
@@ -135,13 +137,29 @@ def test_up_serves_restarts_a_crashed_engine_and_ctrl_c_leaves_no_process_behind
         assert up.wait(timeout=60) == 0
         wait_for("every engine process to exit", lambda: not any(_alive(p) for p in processes), timeout=15)
     finally:
-        if up.poll() is None:  # a failed assertion: take the engines down too, or they outlive the test
-            leftover = _descendants(up.pid)
-            up.kill()
-            up.wait()
-            for pid in leftover:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        _kill_whole(up)
     output = log_path.read_text()
     assert "[engine 0] [lockstep] loading weights" in output and "[engine 1]" in output
     assert "ready: OpenAI API at" in output and "restarting it" in output and "stopped" in output
+
+
+def test_up_stops_whole_when_its_gateways_health_listener_dies(tmp_path):
+    """The gateway inside `up` answers /health from a health listener process; without it the gateway takes no
+    connections, so `up` stops everything and exits 1 (its supervisor restarts it whole)."""
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    up = start_up(MODEL, port, log_path)
+    processes: set[int] = set()
+    try:
+        wait_up(up, f"http://127.0.0.1:{port}", log_path, 1, timeout=ENGINE_START_TIMEOUT_S)
+        listeners = listener_pids(up.pid)  # the gateway's (the engine's listener is its API server's child)
+        assert len(listeners) == 1, listeners
+        processes = _descendants(up.pid)
+        os.kill(listeners[0], signal.SIGKILL)
+        assert up.wait(timeout=60) == 1
+        wait_for("every engine process to exit", lambda: not any(_alive(p) for p in processes), timeout=30)
+    finally:
+        _kill_whole(up)
+    output = log_path.read_text()
+    assert "the health listener process closed its channel" in output
+    assert "the gateway's health listener process died; stopping" in output and "stopped" in output

@@ -1,4 +1,4 @@
-"""Pure builders: the objects an LLMService turns into, and the engine pod contract (DESIGN.md 5.4)."""
+"""Pure builders: the objects an LLMService turns into, and the engine pod contract (docs/KUBERNETES.md)."""
 
 from __future__ import annotations
 

@@ -190,7 +190,9 @@ def test_example_llmservice_is_valid_for_the_operator_and_in_the_chart():
     spec = parse_spec(
         example["metadata"]["name"], example["spec"], default_image=OperatorConfig().engine_image
     )
-    assert (spec.tensor, spec.pods_per_group, spec.steps) == (2, 2, "8")
+    assert (spec.tensor, spec.pods_per_group, spec.steps) == (1, 1, "8")
+    # SmolLM2-135M's 9 attention heads and 3 KV heads: the engine refuses a split that divides neither.
+    assert 9 % spec.tensor == 0 and 3 % spec.tensor == 0
     (rendered,) = [d for d in render({"example": {"enabled": True}}) if d["kind"] == "LLMService"]
     assert rendered["apiVersion"] == "serving.lockstep.dev/v1alpha1"
 
@@ -285,6 +287,17 @@ def test_the_gateway_has_a_disruption_budget_when_it_has_replicas_to_spare():
     assert not [d for d in render({"gateway": {"replicas": 1}}) if d["kind"] == "PodDisruptionBudget"]
 
 
+@pytest.mark.parametrize(("gateway", "workers"), [
+    ({}, "1"),  # the default request, 250m
+    ({"resources": {"requests": {"cpu": "1500m"}}}, "2"),
+    ({"resources": {"requests": {"cpu": 4}}}, "4"),
+    ({"resources": {"requests": {"cpu": "0.5"}}}, "1"),
+    ({"workers": 3}, "3"),
+])
+def test_the_gateway_runs_a_worker_per_requested_cpu(gateway, workers):
+    assert f"--workers={workers}" in _gateway_args(render({"gateway": gateway}))
+
+
 def test_an_image_digest_replaces_the_tag():
     digest = "sha256:" + "b" * 64
     docs = render({"engine": {"image": {"digest": digest}}, "operator": {"image": {"digest": digest}}})
@@ -331,7 +344,7 @@ def test_one_api_key_secret_reaches_the_gateway_and_the_example_engines():
     assert volumes["engine-api-key"]["secret"]["secretName"] == "engine-key"
     (example,) = [d for d in docs if d["kind"] == "LLMService"]
     assert example["spec"]["engine"]["apiKeySecret"] == {"name": "engine-key", "key": "k"}
-    assert example["spec"]["engine"]["maxNumSeqs"] == 64
+    assert example["spec"]["engine"]["maxNumSeqs"] == 16
     assert not [a for a in _gateway_args(render()) if "engine-api-key" in a]
 
 

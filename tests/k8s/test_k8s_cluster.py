@@ -21,8 +21,11 @@ GROUP_LABEL = "serving.lockstep.dev/group"
 
 
 def example(name: str = "smollm2", **spec: Any) -> dict[str, Any]:
+    """The shipped example as a group of two pods (TP=2, one rank each): the tests restart, roll and
+    admit multi-pod groups."""
     manifest = yaml.safe_load(EXAMPLE.read_text())
     manifest["metadata"]["name"] = name
+    manifest["spec"]["parallelism"] = {"tensor": 2, "pipeline": 1, "gpusPerPod": 0}
     manifest["spec"].update(copy.deepcopy(spec))
     return manifest
 
@@ -202,25 +205,25 @@ def test_defaults_are_filled_by_the_api_server(release, kubectl, namespace):
 def test_kubectl_apply_of_the_example_creates_its_engine_group(operator, kubectl, namespace):
     kubectl.run("apply", "-n", namespace, "-f", str(EXAMPLE))
     sts = wait_for("StatefulSet smollm2-g0", lambda: statefulset(kubectl, namespace, "smollm2-g0"))
-    assert sts["spec"]["replicas"] == 2  # tensor 2 x pipeline 1 / one rank per pod
+    assert sts["spec"]["replicas"] == 1  # tensor 1 x pipeline 1 / one rank per pod
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     engine = sts["spec"]["template"]["spec"]["containers"][0]
     assert engine["image"] == "registry.invalid/lockstep:0.1.0-test"
     assert engine["args"][:13] == [
         "smollm2", "--port", "8000", "--served-model-name", "smollm2", "--num-scheduler-steps", "8",
-        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1", "--max-num-seqs", "64",
+        "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--max-num-seqs", "16",
     ]  # fmt: skip
     env = {e["name"]: e.get("value") for e in engine["env"]}
-    assert env["LOCKSTEP_WORLD_SIZE"] == "2"
+    assert env["LOCKSTEP_WORLD_SIZE"] == "1"
     assert env["LOCKSTEP_LEADER_ADDR"] == f"smollm2-g0-0.smollm2-g0.{namespace}.svc.cluster.local"
     assert engine["startupProbe"]["failureThreshold"] == 60  # startup.timeoutSeconds 600 / period 10
     assert sts["metadata"]["ownerReferences"][0]["kind"] == "LLMService"
 
     pods = wait_for(
-        "2 pods made by the StatefulSet controller",
-        lambda: len(pods_of(kubectl, namespace, "smollm2")) == 2 and pods_of(kubectl, namespace, "smollm2"),
+        "the pod made by the StatefulSet controller",
+        lambda: len(pods_of(kubectl, namespace, "smollm2")) == 1 and pods_of(kubectl, namespace, "smollm2"),
     )
-    assert sorted(p["metadata"]["labels"]["apps.kubernetes.io/pod-index"] for p in pods) == ["0", "1"]
+    assert [p["metadata"]["labels"]["apps.kubernetes.io/pod-index"] for p in pods] == ["0"]
     headless = kubectl.get("service", "smollm2-g0", "-n", namespace)
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     leader = kubectl.get("service", "smollm2", "-n", namespace)
@@ -356,8 +359,42 @@ def test_a_restarted_container_restarts_its_whole_group(operator, kubectl, kube,
     assert wait_ready(kubectl, namespace, "crash", 1)["status"]["groups"][0]["restarts"] == 1
 
 
-def test_a_spec_change_rolls_group_by_group(operator, kubectl, kube, namespace):
-    kubectl.apply(example("roll", replicas=2), namespace)
+def test_autoscaling_writes_spec_replicas_through_the_scale_subresource(operator, kubectl, kube, namespace):
+    # No engine runs here, so the demand is zero: with minReplicas 0 and no delay the service goes to
+    # zero once its group is ready (while a group starts, the scale-down delay does not run).
+    kubectl.apply(example("auto", autoscaling={"minReplicas": 0, "maxReplicas": 2, "scaleDownDelaySeconds": 0}), namespace)
+    make_ready(kubectl, kube, namespace, "auto", count=2)
+    obj = wait_for("spec.replicas 0", lambda: (o := service(kubectl, namespace, "auto"))["spec"]["replicas"] == 0 and o)
+    wait_for("group 0 removed", lambda: statefulset(kubectl, namespace, "auto-g0") is None)
+    status = wait_for("status.autoscaling", lambda: service(kubectl, namespace, "auto")["status"].get("autoscaling"))
+    assert status["desiredReplicas"] == 0 and status["waiting"] == 0
+    events = kubectl.get("events", "-n", namespace, "--field-selector", "involvedObject.name=auto,reason=Scaled")["items"]
+    assert any(e["message"].startswith("scaled from 1 to 0 groups") for e in events), events
+    assert obj["metadata"]["generation"] >= 2
+
+
+def test_a_spec_change_of_one_group_starts_a_surge_group_before_replacing_it(operator, kubectl, kube, namespace):
+    kubectl.apply(example("surge"), namespace)
+    make_ready(kubectl, kube, namespace, "surge", count=2)
+    wait_ready(kubectl, namespace, "surge", 1)
+    before = {p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "surge", 0)}
+    kubectl.run("patch", "llmservice", "surge", "-n", namespace, "--type=merge",
+                "-p", '{"spec": {"decode": {"numSchedulerSteps": 4}}}')  # fmt: skip
+    extra = wait_for("the surge group", lambda: statefulset(kubectl, namespace, "surge-g1"))
+    assert steps_arg(extra) == "4" and extra["metadata"]["annotations"]["serving.lockstep.dev/surge"] == "true"
+    obj = wait_for("status shows it", lambda: (s := service(kubectl, namespace, "surge"))["status"]["groups"][1:] and s)
+    assert obj["status"]["groups"][1]["surge"] is True
+    assert {p["metadata"]["uid"] for p in pods_of(kubectl, namespace, "surge", 0)} == before  # still serving
+    make_ready(kubectl, kube, namespace, "surge", 1, count=2)
+    wait_for("group 0 replaced", lambda: steps_arg(statefulset(kubectl, namespace, "surge-g0")) == "4")
+    make_ready(kubectl, kube, namespace, "surge", 0, count=2)
+    wait_for("the surge group removed", lambda: statefulset(kubectl, namespace, "surge-g1") is None)
+    obj = wait_ready(kubectl, namespace, "surge", 1)
+    assert len(obj["status"]["groups"]) == 1 and obj["status"]["updatedReplicas"] == 1
+
+
+def test_a_spec_change_without_surge_rolls_group_by_group(operator, kubectl, kube, namespace):
+    kubectl.apply(example("roll", replicas=2, rollout={"maxSurge": 0, "maxUnavailable": 1}), namespace)
     make_ready(kubectl, kube, namespace, "roll", count=4)
     wait_ready(kubectl, namespace, "roll", 2)
     kubectl.run(

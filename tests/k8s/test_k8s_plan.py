@@ -296,23 +296,16 @@ def test_scaling_to_zero_is_ready_but_unavailable():
     assert world.condition("Available")["status"] == "False"
 
 
-def test_a_spec_change_rolls_one_group_at_a_time():
+def test_a_spec_change_with_max_unavailable_1_and_no_surge_rolls_one_group_at_a_time():
     world = ready_world(replicas=3)
+    world.owner["spec"]["rollout"] = {"maxSurge": 0, "maxUnavailable": 1}
     world.owner["spec"]["decode"] = {"numSchedulerSteps": 4}
     world.owner["metadata"]["generation"] = 2
-
-    def steps_by_group():
-        result = {}
-        for (kind, name), sts in world.objects.items():
-            if kind == "StatefulSet":
-                args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
-                result[name] = args[args.index("--num-scheduler-steps") + 1]
-        return result
 
     plan = world.plan()
     assert sorted(name for name, _ in plan.delete_pods) == ["llama-g0-0", "llama-g0-1"]
     world.settle()
-    assert steps_by_group() == {"llama-g0": "4", "llama-g1": "8", "llama-g2": "8"}
+    assert steps_of(world) == {"llama-g0": "4", "llama-g1": "8", "llama-g2": "8"}
     assert world.owner["status"]["updatedReplicas"] == 1
     assert world.condition("Progressing")["reason"] == "RollingUpdate"
     assert world.condition("Available")["status"] == "True"
@@ -320,10 +313,10 @@ def test_a_spec_change_rolls_one_group_at_a_time():
 
     world.set_ready(0)
     world.settle()
-    assert steps_by_group() == {"llama-g0": "4", "llama-g1": "4", "llama-g2": "8"}
+    assert steps_of(world) == {"llama-g0": "4", "llama-g1": "4", "llama-g2": "8"}
     world.set_ready(1)
     world.settle()
-    assert steps_by_group() == {"llama-g0": "4", "llama-g1": "4", "llama-g2": "4"}
+    assert steps_of(world) == {"llama-g0": "4", "llama-g1": "4", "llama-g2": "4"}
     world.set_ready(2)
     world.settle()
     assert world.condition("Ready")["status"] == "True"
@@ -472,3 +465,270 @@ def test_turning_network_policies_off_deletes_them():
     plan = plan_reconcile(copy.deepcopy(world.owner), world.observed(), config, NOW)
     assert sorted(name for kind, name in plan.delete if kind == "NetworkPolicy") == ["llama", "llama-g0", "llama-g1"]
     assert not any(o["kind"] == "NetworkPolicy" for o in plan.apply)
+
+
+# --- crash loops: back-off between group restarts, the engine's last error in status ---------------
+
+TRACEBACK = """launch.py: starting 2 ranks
+Traceback (most recent call last):
+  File "/opt/lockstep/venv/lib/python3.11/site-packages/lockstep_engine/group/rendezvous.py", line 246
+lockstep_engine.group.rendezvous.GroupError: tensor_parallel_size=2 does not divide the model's 9 attention heads
+launch.py: rank process 17 exited with 1; stopping the pod's other ranks
+"""
+ERROR = "lockstep_engine.group.rendezvous.GroupError: tensor_parallel_size=2 does not divide the model's 9 attention heads"
+
+
+def crash(world: World, pod: str, message: str = TRACEBACK) -> None:
+    """What the kubelet reports after the engine exited: the restart, the log's tail as termination message."""
+    world.pods[pod]["status"] = {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "False"}],
+        "containerStatuses": [{
+            "name": "engine", "restartCount": 1, "ready": False,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message}},
+        }],
+    }  # fmt: skip
+
+
+def at(seconds: int) -> str:
+    return f"2026-11-29T12:{seconds // 60:02d}:{seconds % 60:02d}Z"
+
+
+def test_the_last_error_line_is_the_exception_not_the_launchers_note():
+    from lockstep_operator.groups import error_line
+
+    assert error_line(TRACEBACK) == ERROR
+    assert error_line("loading\nlockstep serve: error: argument --max-model-len: invalid int\n") == (
+        "lockstep serve: error: argument --max-model-len: invalid int"
+    )
+    assert error_line("only this\n") == "only this"
+    assert error_line("") == ""
+
+
+def test_the_error_line_comes_from_before_the_launchers_note_not_from_the_ranks_it_stopped():
+    # The pod log of a TP=2 SmolLM2 group (seen in e2e): the worker rank refuses the layout first, the
+    # launcher stops the leader while it loads, and the leader's last words are about draining.
+    from lockstep_operator.groups import error_line
+
+    log = """[lockstep] serving 'smollm2' as ['smollm2'] on http://0.0.0.0:8000 (num_scheduler_steps=8)
+[lockstep] resolved model 'smollm2' in 3.7s (135M parameters)
+[lockstep] error: rank 1: tensor_parallel_size=2 does not divide the model's 9 attention heads (expected one of 1, 3); exiting
+launch.py: rank process 31 exited with 1; stopping the pod's other ranks
+[lockstep] SIGTERM: shutting down
+[lockstep] draining: 0 request(s) in flight, grace period 30 s
+"""
+    assert error_line(log) == ("[lockstep] error: rank 1: tensor_parallel_size=2 does not divide the model's 9 "
+                               "attention heads (expected one of 1, 3); exiting")
+    # with nothing before the note, what follows it is all there is
+    assert error_line("launch.py: rank process 31 exited with 1; stopping the pod's other ranks\nKilled\n") == "Killed"
+
+
+def test_a_group_failing_before_ready_backs_off_exponentially_and_says_why():
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": 1}, "replicas": 1})
+    world.settle()
+    crash(world, "llama-g0-0")
+    plan = world.plan(at(0))
+    assert [name for name, _ in plan.delete_pods] == ["llama-g0-0"]  # the first restart is at once
+    (event,) = [e for e in plan.events if e[1] == "GroupRestart"]
+    assert event[2] == f"restarting group 0: pod llama-g0-0 restarted; last error: pod llama-g0-0 container engine exited with code 1: {ERROR}"
+    world.execute(plan)
+    assert world.condition("Degraded")["reason"] == "EngineFailed"
+    assert ERROR in world.condition("Degraded")["message"]
+    assert world.condition("Ready")["reason"] == "EngineFailed"
+
+    restarts = [0]
+    for failure, backoff in ((2, 15), (3, 30), (4, 60)):
+        world.run_statefulset_controller()
+        crash(world, "llama-g0-0")
+        early = world.plan(at(restarts[-1] + backoff - 1))
+        assert not early.delete_pods and early.requeue_after == 1
+        world.execute(early)
+        group = world.owner["status"]["groups"][0]
+        assert group["state"] == "CrashLoopBackOff"
+        times = "once" if failure == 2 else f"{failure - 1} times"
+        assert group["message"] == (f"restarted {times} without becoming ready; last error: "
+                                    f"pod llama-g0-0 container engine exited with code 1: {ERROR}; next restart in 1 s")  # fmt: skip
+        degraded = world.condition("Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", "CrashLoopBackOff")
+        assert world.condition("Ready")["reason"] == "CrashLoopBackOff"
+        due = world.plan(at(restarts[-1] + backoff))
+        assert [name for name, _ in due.delete_pods] == ["llama-g0-0"]
+        world.execute(due)
+        restarts.append(restarts[-1] + backoff)
+    sts = world.objects[("StatefulSet", "llama-g0")]["metadata"]["annotations"]
+    assert sts[ANNOTATION_RESTARTS] == "4"
+
+
+def test_a_group_that_became_ready_restarts_at_once_on_its_next_failure():
+    world = World({"model": {"source": "smollm2"}, "parallelism": {"tensor": 1}, "replicas": 1})
+    world.settle()
+    for second in (0, 15):
+        world.run_statefulset_controller()
+        crash(world, "llama-g0-0")
+        world.execute(world.plan(at(second)))
+    world.run_statefulset_controller()
+    world.set_ready()
+    world.execute(world.plan(at(20)))
+    assert world.condition("Degraded")["reason"] == "AsExpected"
+    crash(world, "llama-g0-0")
+    assert [name for name, _ in world.plan(at(21)).delete_pods] == ["llama-g0-0"]
+
+
+def steps_of(world: World) -> dict[str, str]:
+    result = {}
+    for (kind, name), sts in world.objects.items():
+        if kind == "StatefulSet":
+            args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+            result[name] = args[args.index("--num-scheduler-steps") + 1]
+    return result
+
+
+def ready_groups(world: World) -> int:
+    return world.owner["status"]["readyReplicas"]
+
+
+def test_a_spec_change_of_one_group_starts_a_surge_group_before_the_old_one_goes():
+    world = ready_world(replicas=1)
+    world.owner["spec"]["decode"] = {"numSchedulerSteps": 4}
+    world.owner["metadata"]["generation"] = 2
+    plan = world.plan()
+    assert not plan.delete_pods  # the only group keeps serving
+    assert [o["metadata"]["name"] for o in plan.apply if o["kind"] == "StatefulSet"] == ["llama-g1"]
+    world.settle()
+    assert steps_of(world) == {"llama-g0": "8", "llama-g1": "4"}
+    assert world.owner["status"]["groups"][1] == {**world.owner["status"]["groups"][1], "surge": True, "state": "Starting"}
+    assert world.condition("Available")["status"] == "True"
+    assert world.condition("Progressing")["reason"] == "RollingUpdate"
+    world.set_ready(1)  # the surge group is ready: now the old one is replaced
+    world.settle()
+    assert steps_of(world) == {"llama-g0": "4", "llama-g1": "4"}
+    assert ready_groups(world) == 1  # the surge group serves while group 0 restarts
+    world.set_ready(0)
+    world.settle()
+    assert steps_of(world) == {"llama-g0": "4"}  # the surge group is gone
+    assert world.condition("Ready")["status"] == "True"
+    assert world.condition("Progressing")["reason"] == "Complete"
+    assert world.owner["status"]["replicas"] == 1 and world.owner["status"]["updatedReplicas"] == 1
+
+
+def test_at_no_point_of_a_default_rollout_is_a_group_less_ready():
+    world = ready_world(replicas=2)
+    world.owner["spec"]["decode"] = {"numSchedulerSteps": 4}
+    for _ in range(8):
+        world.settle()
+        assert ready_groups(world) >= 2, world.owner["status"]["groups"]
+        world.set_ready()  # every pod that exists becomes ready
+    world.settle()
+    assert steps_of(world) == {"llama-g0": "4", "llama-g1": "4"}
+    assert world.condition("Ready")["status"] == "True"
+
+
+def test_a_failing_surge_group_leaves_the_old_groups_serving():
+    world = ready_world(replicas=1)
+    world.owner["spec"]["engine"] = {"image": "registry.example/lockstep:broken"}
+    for _ in range(3):
+        world.settle()
+    assert steps_of(world) == {"llama-g0": "8", "llama-g1": "8"}
+    assert world.pod_uids(0) and ready_groups(world) == 1
+    assert world.objects[("StatefulSet", "llama-g0")]["spec"]["template"]["spec"]["containers"][0]["image"] != (
+        "registry.example/lockstep:broken"
+    )
+
+
+def test_scaling_down_removes_a_group_that_no_rollout_started():
+    world = ready_world(replicas=2)
+    world.owner["spec"]["replicas"] = 1
+    world.pods["llama-g0-0"]["status"]["conditions"][0]["status"] = "False"  # group 0 not ready
+    assert ("StatefulSet", "llama-g1") in world.plan().delete
+
+
+def test_rollout_values_are_checked_and_percentages_resolve_as_a_deployments():
+    import pytest
+
+    from lockstep_operator.spec import SpecError, parse_spec
+
+    def rollout(replicas, **values):
+        spec = parse_spec("x", {"model": {"source": "smollm2"}, "replicas": replicas, "rollout": values},
+                          default_image="i:1")  # fmt: skip
+        return spec.max_surge, spec.max_unavailable
+
+    assert rollout(4) == (1, 0)
+    assert rollout(4, maxSurge="25%", maxUnavailable="25%") == (1, 1)
+    assert rollout(3, maxSurge="50%", maxUnavailable="50%") == (2, 1)
+    assert rollout(1, maxSurge="0%", maxUnavailable="10%") == (0, 1)  # rounds to nothing: one at a time
+    with pytest.raises(SpecError, match="spec.rollout: maxSurge and maxUnavailable cannot both be 0"):
+        rollout(2, maxSurge=0)
+    with pytest.raises(SpecError, match=r"spec.rollout.maxSurge: must be an integer in 0..1024 or a percentage"):
+        rollout(2, maxSurge="two")
+
+
+# --- spec.autoscaling: the decision from demand ------------------------------------------------------
+
+def test_autoscaling_adds_groups_for_the_waiting_excess_and_starts_from_zero_on_a_queued_request():
+    from lockstep_operator.autoscale import Autoscaling, Demand, desired_replicas
+
+    policy = Autoscaling(min_replicas=0, max_replicas=4, target_waiting_per_group=2, scale_down_delay_seconds=60)
+    assert desired_replicas(0, Demand(queued=1), policy, None, NOW)[0] == 1  # the first request at zero
+    assert desired_replicas(1, Demand(waiting=2, running=8), policy, None, NOW)[0] == 1  # at the target
+    assert desired_replicas(1, Demand(waiting=7, running=8), policy, None, NOW)[0] == 4  # 1 + ceil(5 / 2)
+    assert desired_replicas(2, Demand(waiting=30), policy, None, NOW)[0] == 4  # maxReplicas
+    assert desired_replicas(0, Demand(), policy, None, NOW)[0] == 0
+
+
+def test_autoscaling_removes_one_group_after_the_delay_without_a_break():
+    from lockstep_operator.autoscale import Autoscaling, Demand, desired_replicas
+
+    policy = Autoscaling(min_replicas=0, max_replicas=4, target_waiting_per_group=2, scale_down_delay_seconds=60)
+    desired, status = desired_replicas(2, Demand(running=1), policy, None, at(0))  # fits in 1 group
+    assert (desired, status["quietSince"]) == (2, at(0))
+    desired, status = desired_replicas(2, Demand(running=2), policy, status, at(30))
+    assert (desired, status["quietSince"]) == (2, at(0))
+    desired, broken = desired_replicas(2, Demand(running=3), policy, status, at(40))  # no longer fits: a break
+    assert desired == 2 and "quietSince" not in broken
+    desired, status = desired_replicas(2, Demand(running=2), policy, status, at(60))
+    assert (desired, status["lastScaleTime"]) == (1, at(60)) and "quietSince" not in status
+    desired, status = desired_replicas(1, Demand(), policy, status, at(61))
+    assert desired == 1 and status["quietSince"] == at(61)
+    assert desired_replicas(1, Demand(), policy, status, at(121))[0] == 0  # idle for the delay: to zero
+    floor = Autoscaling(min_replicas=1, max_replicas=4, target_waiting_per_group=2, scale_down_delay_seconds=0)
+    assert desired_replicas(1, Demand(), floor, None, NOW)[0] == 1  # never below minReplicas
+
+
+def test_gauges_are_summed_from_the_exposition_by_label():
+    from lockstep_operator.autoscale import gauge_sum
+
+    text = """# HELP vllm:num_requests_waiting Requests waiting
+vllm:num_requests_waiting{model_name="smollm2"} 3.0
+vllm:num_requests_waiting_total 99
+lockstep_gateway_queue_depth{model="smollm2"} 2
+lockstep_gateway_queue_depth{model="other"} 5
+"""
+    assert gauge_sum(text, "vllm:num_requests_waiting") == 3.0
+    assert gauge_sum(text, "lockstep_gateway_queue_depth", {"model": "smollm2"}) == 2.0
+    assert gauge_sum(text, "lockstep_gateway_queue_depth") == 7.0
+    assert gauge_sum("", "vllm:num_requests_running") == 0.0
+
+
+def test_autoscaling_values_are_checked():
+    import pytest
+
+    from lockstep_operator.spec import SpecError, parse_spec
+
+    def parse(autoscaling):
+        return parse_spec("x", {"model": {"source": "smollm2"}, "autoscaling": autoscaling}, default_image="i:1")
+
+    assert parse({"maxReplicas": 3}).autoscaling.min_replicas == 1
+    with pytest.raises(SpecError, match="spec.autoscaling.maxReplicas: is required"):
+        parse({"minReplicas": 0})
+    with pytest.raises(SpecError, match=r"spec.autoscaling.minReplicas: must be at most maxReplicas \(2\), got 3"):
+        parse({"minReplicas": 3, "maxReplicas": 2})
+
+
+def test_the_scale_down_delay_does_not_run_while_groups_start():
+    from lockstep_operator.autoscale import Autoscaling, Demand, desired_replicas
+
+    policy = Autoscaling(min_replicas=0, max_replicas=2, target_waiting_per_group=1, scale_down_delay_seconds=20)
+    desired, status = desired_replicas(1, Demand(), policy, {"quietSince": at(0)}, at(30), settled=False)
+    assert desired == 1 and "quietSince" not in status  # a group started from zero: its request is not visible yet
+    assert desired_replicas(1, Demand(), policy, status, at(31))[1]["quietSince"] == at(31)

@@ -98,6 +98,10 @@ true
 - apiGroups: [serving.lockstep.dev]
   resources: [llmservices/status]
   verbs: [get, patch, update]
+# spec.autoscaling: the operator writes spec.replicas as an HPA would, through the scale subresource.
+- apiGroups: [serving.lockstep.dev]
+  resources: [llmservices/scale]
+  verbs: [get, patch]
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch, delete]
@@ -121,4 +125,21 @@ true
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+{{- end -}}
+
+{{/*
+The gateway's --workers: gateway.workers, or with 0 one per CPU of the container's CPU request, rounded
+up ("250m" -> 1, "1500m" -> 2, "4" -> 4), at least 1.
+*/}}
+{{- define "lockstep.gatewayWorkers" -}}
+{{- $workers := int .Values.gateway.workers -}}
+{{- if le $workers 0 -}}
+{{- $cpu := toString (dig "requests" "cpu" "1" (.Values.gateway.resources | default dict)) -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $workers = div (add (trimSuffix "m" $cpu | int) 999) 1000 | int -}}
+{{- else -}}
+{{- $workers = ceil (float64 $cpu) | int -}}
+{{- end -}}
+{{- end -}}
+{{- max $workers 1 -}}
 {{- end -}}

@@ -19,13 +19,21 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from lockstep_common.health_listener import request_id as listener_request_id
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 import lockstep
-from lockstep_engine.api import health_listener, metrics, responses
+from lockstep_engine.api import metrics, responses
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
-from lockstep_engine.api.errors import APIError, error_body, error_response, refused_unstarted
+from lockstep_engine.api.errors import (
+    REQUEST_FAULT,
+    APIError,
+    error_body,
+    error_response,
+    refused_unstarted,
+    route_not_found,
+)
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -185,7 +193,7 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = health_listener.request_id(scope["headers"])  # the listener's too
+        request_id = listener_request_id(scope["headers"])  # the health listener's too
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message):
@@ -202,8 +210,12 @@ class GuardMiddleware:
         if _redact_query_key(scope):
             return await error_response(400, "API keys in the query string are refused (they end up in logs); "
                                              "send 'Authorization: Bearer KEY'", "api_key")(scope, receive, send)
+        authorizations = [value for name, value in scope["headers"] if name == b"authorization"]
+        if len(authorizations) > 1:  # proxies disagree on which one counts (the first, the last): neither does
+            return await error_response(400, f"{len(authorizations)} Authorization headers: send exactly one",
+                                        "authorization")(scope, receive, send)
         if settings.api_key and path.startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            given = authorizations[0] if authorizations else b""
             if not hmac.compare_digest(given, b"Bearer " + settings.api_key.encode()):
                 return await error_response(401, "invalid or missing API key (expected 'Authorization: Bearer KEY')",
                                             None, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
@@ -217,10 +229,9 @@ class GuardMiddleware:
         if too_large:
             return await error_response(413, f"request body larger than {settings.max_body_bytes} bytes",
                                         None, {"Connection": "close"})(scope, receive, send)
-        bad_text = _lone_surrogate(body)
+        bad_text = _undecodable_text(body)
         if bad_text is not None:
-            return await error_response(400, f"{bad_text}: the text contains a lone UTF-16 surrogate, which is not "
-                                             f"valid Unicode", bad_text)(scope, receive, send)
+            return await error_response(400, *bad_text)(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -253,32 +264,48 @@ def _redact_query_key(scope) -> bool:
     return True
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A \uD800-\uDFFF escape, or a surrogate encoded as UTF-8 (ED A0..BF xx, which json.loads lets through
+# as a lone surrogate): only then can a parsed string hold text no tokenizer or encoder takes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
-def _lone_surrogate(body: bytes) -> str | None:
-    """The JSON path of a string with an unpaired surrogate escape (no tokenizer or encoder takes one)."""
+def _undecodable_text(body: bytes) -> tuple[str, str] | None:
+    """(message, param) for a body that is not UTF-8 or holds a lone surrogate, naming the field by its
+    JSON path (a key that is not text is named by the object holding it: the message never echoes it)."""
     if not _SURROGATE_ESCAPE.search(body):  # the common case: one scan, no parse
-        return None
+        try:
+            body.decode("utf-8")
+            return None
+        except UnicodeDecodeError as error:
+            text = body.decode("utf-8", "surrogateescape")
+            problem = f"is not valid UTF-8 (byte 0x{body[error.start]:02x})"
+    else:
+        text, problem = body, "holds a lone UTF-16 surrogate, which is not valid Unicode"
     try:
-        data = json.loads(body)
+        data = json.loads(text)
     except (ValueError, RecursionError):
-        return None  # FastAPI reports the malformed body
+        return None  # the JSON error is reported as such
     stack = [(data, "body")]
     while stack:
         value, where = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return where
-        elif isinstance(value, dict):
+        if isinstance(value, str) and not _is_text(value):
+            return f"{where}: the text {problem}", where
+        if isinstance(value, dict):
             for key, item in value.items():
-                stack.append((key, where))
+                if not _is_text(key):
+                    return f"{where}: a key {problem}", where
                 stack.append((item, key if where == "body" else f"{where}.{key}"))
         elif isinstance(value, list):
             stack.extend((item, f"{where}.{i}") for i, item in enumerate(value))
     return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _read_body(scope, receive, limit: int) -> tuple[bytes, bool]:
@@ -313,14 +340,27 @@ def health_response(state: ServerState) -> Response:
 
 def probe_answer(state: ServerState) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """/health's status, headers and body before GuardMiddleware adds x-request-id, for the health listener
-    (api/health_server.py publishes it from a thread). Safe off the loop: each attribute `unavailable_reason`
+    (lockstep_common/health_server.py publishes it from a thread). Safe off the loop: each attribute `unavailable_reason`
     reads is one atomic read under the GIL, and a stale one is the answer of 50 ms before."""
     response = health_response(state)
     return response.status_code, response.raw_headers, response.body
 
 
+def http_error_message(request: Request, status: int, detail: str, headers: dict | None) -> str:
+    """Routing's own 404 and 405 in words a client can act on."""
+    if status == 404 and detail == "Not Found":
+        return route_not_found(request.method, request.url.path)
+    if status == 405 and headers and "Allow" in headers:
+        return f"{request.method} is not allowed on {request.url.path}: allowed {headers['Allow']}"
+    return detail
+
+
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     lines, param = [], None
+    if errors and errors[0].get("type") == "json_invalid":  # loc holds a byte offset, not a field
+        offset = errors[0].get("loc", (None, None))[-1]
+        reason = (errors[0].get("ctx") or {}).get("error") or errors[0].get("msg", "invalid")
+        return f"the request body is not valid JSON: {reason} (at byte {offset})", None
     for error in errors[:10]:
         loc = [str(part) for part in error.get("loc", ()) if part != "body"]
         where = ".".join(loc) or "body"
@@ -349,6 +389,8 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
     def error(request: Request, status: int, message: str, param=None, headers=None):
         if status >= 500:  # the id finds the server log's lines about it
             message = f"{message} (request id {request.state.request_id})"
+        if status == 500 and state.unavailable_reason() is None:
+            headers = {**(headers or {}), **REQUEST_FAULT}
         return error_response(status, message, param, headers)
 
     @app.exception_handler(APIError)
@@ -362,7 +404,9 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error(request, exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        return error(request, exc.status_code, http_error_message(request, exc.status_code, str(exc.detail), headers),
+                     None, headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
@@ -400,7 +444,8 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
         return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "lockstep",
                 "root": engine_config.model, "parent": None, "max_model_len": serving.config.max_model_len}
 
-    @app.api_route("/ping", methods=["GET", "POST"], responses={503: {"model": ErrorResponse}})
+    @app.get("/ping", responses={503: {"model": ErrorResponse}})  # a route per method: one OpenAPI operation id each
+    @app.post("/ping", responses={503: {"model": ErrorResponse}})
     async def ping():
         # vLLM's SageMaker-style liveness route: the same answer as /health.
         return await health()

@@ -266,11 +266,12 @@ class EngineCoreClient:
             self._loop_progress_at = time.monotonic()
             self._ready_event.set()
         elif isinstance(message, p.CoreFailed):
-            log(f"error: {message.message}")  # the whole traceback goes to the log, its last line to clients
+            if self.ready is not None:  # while loading, the server's loader logs why it failed
+                log(f"error: {message.message}")  # the whole traceback goes to the log, its last line to clients
             self._mark_dead(_summary(message.message))
 
     def _on_outputs(self, message: p.StepOutputs) -> None:
-        for output in message.outputs:
+        for output in message.all_outputs():
             generation = self._generations.get(output.request_id)
             if generation is None:
                 continue  # aborted or already answered

@@ -1,34 +1,22 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, `code` = the HTTP status.
-
-`type` follows vLLM's names (the class names of the `openai` SDK's exceptions), so clients that
-branch on it behave as they do against vLLM.
+"""The engine server's errors: `APIError` and its OpenAI-shaped responses (the shape and the 404 words are
+`lockstep_common.errors`, shared with the gateway), and the headers that tell the gateway how to count one.
 """
 
 from __future__ import annotations
 
-from http import HTTPStatus
-
+from lockstep_common.errors import error_body, route_not_found
 from starlette.responses import JSONResponse
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-    415: "UnsupportedMediaTypeError",
-    422: "UnprocessableEntityError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
+__all__ = ["APIError", "REQUEST_FAULT", "RETRYABLE", "bad_request", "error_body", "error_response", "refused_unstarted",
+           "route_not_found"]
 
 # On a 503 the engine sends before it accepted the request (busy, loading, draining, no core): the
 # gateway may replay such a request on another engine, and only such a one (gateway/lockstep_gateway/proxy.py).
 RETRYABLE = {"X-Lockstep-Retryable": "1"}
+# On a 500 the engine raised for one request while it stays healthy (its core failed that request alone,
+# or the request hit a bug of the API process): the gateway's circuit breaker does not count it against
+# the engine, so a client that keeps sending such a request cannot take the model offline.
+REQUEST_FAULT = {"X-Lockstep-Request-Fault": "1"}
 
 
 class APIError(Exception):
@@ -38,11 +26,6 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.headers = headers
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:

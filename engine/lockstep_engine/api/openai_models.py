@@ -34,6 +34,9 @@ class ResponseFormat(OpenAIModel):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]  # OpenAI's values
+
+
 class SamplingFields(OpenAIModel):
     """Parameters both endpoints share (OpenAI's and vLLM's extras)."""
 
@@ -69,6 +72,19 @@ class SamplingFields(OpenAIModel):
     priority: Optional[int] = 0
     return_tokens_as_token_ids: Optional[bool] = False
     prompt_logprobs: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    use_beam_search: Optional[bool] = False  # refused when true (api/extras.py)
+    # vLLM's other extras: honoured (request_id) or refused with a value other than their default
+    # (api/extras.py), never dropped in silence.
+    request_id: Optional[str] = None
+    length_penalty: Optional[float] = None
+    logits_processors: Optional[Any] = None
+    vllm_xargs: Optional[Any] = None
+    kv_transfer_params: Optional[Any] = None
+    cache_salt: Optional[Any] = None
+    return_token_ids: Optional[Any] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -102,7 +118,11 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: Optional[bool] = False
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True  # false: at most one tool call per answer
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    documents: Optional[list[dict[str, str]]] = None  # rendered by the chat template as `documents`, as in vLLM
+    reasoning_effort: Optional[ReasoningEffort] = None  # rendered by the chat template as `reasoning_effort`
+    mm_processor_kwargs: Optional[Any] = None  # refused unless empty: text-only models
 
 
 class TokenizeRequest(OpenAIModel):

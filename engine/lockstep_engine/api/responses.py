@@ -219,8 +219,10 @@ def _prepare(serving, body: ResponsesRequest):
     with _responses_field_names():
         tool_call = tools.ToolCalling.of(chat, serving.tool_call_parser)
         prompt = serving.chat_prompt(chat.messages, True, False, tools.template_kwargs(chat))
-        params = serving.sampling_params(chat, chat.max_completion_tokens, None)
+        constraint = serving.guided_constraint(chat)
+        params = serving.sampling_params(chat, chat.max_completion_tokens, None, constraint)
         serving.validate([prompt], params)
+        serving.grammars.check_blocking(constraint)
     return fmt, tool_call, prompt, params
 
 
@@ -249,7 +251,8 @@ def register(app: FastAPI, state, error_responses: dict) -> None:
     async def responses(body: ResponsesRequest, request: Request):
         return await create_response(state.require_serving(), body, request)
 
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], responses=error_responses)
+    @app.get("/v1/responses/{response_id}", responses=error_responses)  # a route per method: one operation id each
+    @app.delete("/v1/responses/{response_id}", responses=error_responses)
     async def stored_response(response_id: str):
         raise _not_stored(response_id)
 

@@ -38,6 +38,7 @@ class ResponsesRequest(OpenAIModel):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    reasoning: Optional[dict[str, Any]] = None  # its `effort` reaches the chat template as `reasoning_effort`
     store: Optional[bool] = None  # accepted; nothing is stored, every response says store: false
     previous_response_id: Optional[str] = None
     background: Optional[bool] = None
@@ -214,4 +215,5 @@ def chat_request(body: ResponsesRequest, fmt: dict) -> ChatCompletionRequest:
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stream": body.stream,
         "response_format": _response_format(fmt), "tools": tools, "tool_choice": _chat_tool_choice(body.tool_choice),
-        "user": body.user})
+        "user": body.user, "parallel_tool_calls": body.parallel_tool_calls,
+        "reasoning_effort": (body.reasoning or {}).get("effort")})

@@ -13,14 +13,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from lockstep.protocol import TokenLogprobs
 from lockstep_engine.api import extras, metrics, structured, tools
 from lockstep_engine.api.client import EngineBusyError, EngineCoreClient, EngineDeadError, Generation, RequestRejected
-from lockstep_engine.api.sse import SSE_DONE, SSE_HEADERS, ClientGone, message_text, sse, usage, watch_disconnect
+from lockstep_engine.api.sse import (SSE_DONE, SSE_HEADERS, ClientGone, message_text, sse, take_delta, usage,
+                                     watch_disconnect)
 from lockstep_engine.api.errors import APIError, bad_request, error_body, refused_unstarted
+from lockstep_engine.api.grammar_check import GrammarChecker
 from lockstep_engine.api.large_text import LARGE_TEXT_CHARS, LargeTextEncoder
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
@@ -31,7 +34,6 @@ from lockstep_engine.api.openai_models import (
     TokenizeRequest,
 )
 from lockstep_engine.api.server_defaults import ServerDefaults
-from lockstep_engine.guided_schema import GuidedDecodingError, compile_json_schema
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
 from lockstep_engine.validation import MAX_PROMPTS, validate_batch, validate_messages, validate_request
 
@@ -70,6 +72,7 @@ class OpenAIServing:
         self._token_strs: dict[int, str] = {}
         self.tool_call_parser: str | None = None  # --tool-call-parser when --enable-auto-tool-choice
         self.defaults = ServerDefaults()  # --chat-template, --response-role, --generation-config (set by the app)
+        self.grammars = GrammarChecker()
 
     @property
     def model_name(self) -> str:
@@ -147,18 +150,26 @@ class OpenAIServing:
         if continue_final_message and add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                               "continue_final_message")
-        conversation = [tools.template_message(m, message_text(m, i)) for i, m in enumerate(messages)]
+        conversation = [tools.template_message(m, message_text(m, i), i) for i, m in enumerate(messages)]
         try:
             ids = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=bool(continue_final_message), tokenize=True, return_dict=False,
                 **{"chat_template": self.defaults.chat_template, **self.defaults.chat_template_kwargs,
                    **(template_kwargs or {})})
-        except Exception as error:  # jinja2 errors and template raise_exception() calls
+        except TemplateError as error:  # jinja2's errors and a template's raise_exception() calls
             raise bad_request(f"messages: the chat template failed: {error}", "messages") from None
+        except Exception as error:  # the tokenizer's own text is no message for a client
+            raise bad_request(f"messages: the rendered conversation could not be tokenized "
+                              f"({type(error).__name__})", "messages") from None
         return list(ids)
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def guided_constraint(self, body: SamplingFields) -> tuple[str, dict] | None:
+        """The request's structured-output constraint (its field, its spec), not compiled yet: `grammars.check`."""
+        return structured.guided_constraint(body, self.json_schema(body), self.client.ready)
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        constraint: tuple[str, dict] | None) -> SamplingParams:
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
         extras.check(body, self.config)
@@ -188,7 +199,7 @@ class OpenAIServing:
             logit_bias=logit_bias,
             skip_special_tokens=body.skip_special_tokens is not False,
             include_stop_str_in_output=bool(body.include_stop_str_in_output), priority=body.priority or 0,
-            guided=structured.guided_spec(body, self.json_schema(body), self.client.ready),
+            guided=None if constraint is None else constraint[1], **extras.sampling_extras(body, self),
         )
         try:
             return SamplingParams(**fields)
@@ -204,18 +215,15 @@ class OpenAIServing:
         elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise bad_request("response_format: type 'json_schema' needs json_schema.schema", "response_format")
         else:
-            schema = fmt.json_schema.json_schema
+            schema = tools.response_schema(fmt.json_schema)
         ready = self.client.ready
         if ready is not None and not ready.guided_decoding:
             raise bad_request(f"response_format: model {self.model_name!r} has no tokenizer for guided decoding "
                               f"(or llguidance is not installed)", "response_format")
-        try:
-            compile_json_schema(schema)
-        except GuidedDecodingError as error:
-            raise bad_request(f"response_format: {error}", "response_format") from None
         return schema
 
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        extras.truncate_prompts(prompts, params.truncate_prompt_tokens, self.config.max_model_len)
         try:
             validate_batch(len(prompts), params.n)
             for ids in prompts:
@@ -223,10 +231,13 @@ class OpenAIServing:
         except SamplingParamsError as error:
             raise bad_request(str(error), error.param) from None
 
-    def submit(self, kind: str, prompts: list[list[int]], texts: list[str | None], params: SamplingParams
-               ) -> tuple[str, Generation]:
-        response_id = f"{kind}-{uuid.uuid4().hex}"
-        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+    def submit(self, kind: str, prompts: list[list[int]], texts: list[str | None], params: SamplingParams,
+               client_request_id: str | None = None) -> tuple[str, Generation]:
+        """The response's id is vLLM's `{kind}-{request_id}` when the client names one; the engine's own ids
+        stay unique, so two requests that send the same `request_id` never meet in the engine."""
+        internal_id = f"{kind}-{uuid.uuid4().hex}"
+        response_id = internal_id if client_request_id is None else f"{kind}-{client_request_id}"
+        request_ids = [f"{internal_id}-{i}" for i in range(len(prompts))]
         try:
             return response_id, self.client.submit(request_ids, prompts, params, texts)
         except EngineBusyError as error:
@@ -261,9 +272,11 @@ class OpenAIServing:
             raise bad_request("best_of: only best_of=1 is supported", "best_of")
         # Tokenizing a large prompt takes seconds: off the event loop, so /health and streams go on.
         prompts, texts = await asyncio.to_thread(self.completion_prompts, body)
-        params = self.sampling_params(body, body.max_tokens, body.logprobs)
+        constraint = self.guided_constraint(body)
+        params = self.sampling_params(body, body.max_tokens, body.logprobs, constraint)
         self.validate(prompts, params)
-        response_id, generation = self.submit("cmpl", prompts, texts, params)
+        await self.grammars.check(constraint)
+        response_id, generation = self.submit("cmpl", prompts, texts, params, body.request_id)
         job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation,
                    [t if t is not None else self.decode(ids) for t, ids in zip(texts, prompts)] if body.echo else [],
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs, bool(body.echo))
@@ -289,7 +302,7 @@ class OpenAIServing:
         for p_index, state in enumerate(job.generation.states):
             for seq in state.sequences:
                 key = (p_index, seq.index)
-                delta, new_logprobs, finishing = self._take_delta(job, key, seq)
+                delta, new_logprobs, finishing = take_delta(job, key, seq)
                 if delta is None:
                     continue
                 text = delta
@@ -333,9 +346,11 @@ class OpenAIServing:
                                          bool(body.continue_final_message), self.request_template_kwargs(body))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, max_tokens, logprobs)
+        constraint = self.guided_constraint(body)
+        params = self.sampling_params(body, max_tokens, logprobs, constraint)
         self.validate([prompt], params)
-        response_id, generation = self.submit("chatcmpl", [prompt], [None], params)
+        await self.grammars.check(constraint)
+        response_id, generation = self.submit("chatcmpl", [prompt], [None], params, body.request_id)
         job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation, [],
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs,
                    chunk_object="chat.completion.chunk", tool_call=tool_call)
@@ -369,7 +384,7 @@ class OpenAIServing:
     def _chat_chunks(self, job: _Job) -> list[dict]:
         chunks = []
         for seq in job.generation.states[0].sequences:
-            delta, new_logprobs, finishing = self._take_delta(job, (0, seq.index), seq)
+            delta, new_logprobs, finishing = take_delta(job, (0, seq.index), seq)
             if delta is None:
                 continue
             logprobs = {"content": self._chat_logprobs(new_logprobs, job)} if job.num_logprobs is not None else None
@@ -392,22 +407,6 @@ class OpenAIServing:
         return content
 
     # ---- shared streaming and waiting ---------------------------------------------------------
-    @staticmethod
-    def _take_delta(job: _Job, key, seq):
-        """New text/tokens of one sample since the last chunk; (None, ..) when there is nothing to send."""
-        new_tokens = len(seq.token_ids) - seq.sent_tokens
-        releasable = seq.releasable_text()
-        delta = releasable[seq.sent_text_len:]
-        finishing = seq.finished and key not in job.sent_finish
-        if new_tokens <= 0 and not delta and not finishing:
-            return None, [], False
-        new_logprobs = seq.logprobs[seq.sent_tokens:] if job.num_logprobs is not None else []
-        seq.sent_tokens = len(seq.token_ids)
-        seq.sent_text_len = len(releasable)
-        if finishing:
-            job.sent_finish.add(key)
-        return delta, new_logprobs, finishing
-
     async def _stream(self, job: _Job, make_chunks, first_chunks: list[dict] | None = None) -> AsyncIterator[str]:
         generation = job.generation
         completed = False

@@ -53,3 +53,19 @@ def usage(generation: Generation) -> dict:
     completion_tokens = sum(len(seq.token_ids) for state in generation.states for seq in state.sequences)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def take_delta(job, key, seq):
+    """New text/tokens of one sample of a job since the last chunk; (None, ..) when there is nothing to send."""
+    new_tokens = len(seq.token_ids) - seq.sent_tokens
+    releasable = seq.releasable_text()
+    delta = releasable[seq.sent_text_len:]
+    finishing = seq.finished and key not in job.sent_finish
+    if new_tokens <= 0 and not delta and not finishing:
+        return None, [], False
+    new_logprobs = seq.logprobs[seq.sent_tokens:] if job.num_logprobs is not None else []
+    seq.sent_tokens = len(seq.token_ids)
+    seq.sent_text_len = len(releasable)
+    if finishing:
+        job.sent_finish.add(key)
+    return delta, new_logprobs, finishing

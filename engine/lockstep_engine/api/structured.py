@@ -1,8 +1,8 @@
 """Structured outputs as vLLM takes them: `guided_*` fields, `structured_outputs`, `response_format`.
 
 Every spelling becomes one guided spec (`guided_schema.GUIDED_KINDS`) in `SamplingParams.guided`,
-compiled here once so a bad constraint is a 400 naming its field before the request reaches the
-core. More than one constraint on a request is a 400, as in vLLM; so is an option that would
+compiled once off the event loop (grammar_check.py) so a bad constraint is a 400 naming its field
+before the request reaches the core. More than one constraint on a request is a 400, as in vLLM; so is an option that would
 change the grammar in a way llguidance is not asked to (a whitespace pattern, structural tags).
 """
 
@@ -13,7 +13,6 @@ from typing import Any
 
 from lockstep_engine.api import tools
 from lockstep_engine.api.errors import bad_request
-from lockstep_engine.guided_schema import GuidedDecodingError, compile_guided
 
 # `guided_decoding_backend` / `structured_outputs.backend` values that mean "whatever the server uses".
 _BACKENDS = ("auto", "guidance", "llguidance")
@@ -67,9 +66,10 @@ def _from_structured_outputs(outputs: dict) -> list[tuple[str, dict]]:
     return specs
 
 
-def guided_spec(body, response_format_schema: dict | None, ready) -> dict | None:
-    """The request's one constraint as a compiled-and-checked guided spec, or None; 400 on a bad or second one.
+def guided_constraint(body, response_format_schema: dict | None, ready) -> tuple[str, dict] | None:
+    """The request's one constraint as (its field, its guided spec), or None; 400 on a second one.
 
+    The spec is not compiled here: `grammar_check.GrammarChecker` does that off the event loop.
     `response_format_schema` is what `response_format` asked for (already checked by the caller);
     `ready` the core's ready message (None before it came), which says whether it can guide at all.
     """
@@ -97,8 +97,4 @@ def guided_spec(body, response_format_schema: dict | None, ready) -> dict | None
     if ready is not None and not ready.guided_decoding:
         raise bad_request(f"{param}: this model has no tokenizer for structured outputs (or llguidance is not "
                           f"installed)", param)
-    try:
-        compile_guided(spec)
-    except GuidedDecodingError as error:
-        raise bad_request(f"{param}: {error}", param) from None
-    return spec
+    return param, spec

@@ -10,6 +10,7 @@ the chat template, which decides how the model sees them.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -33,7 +34,39 @@ def _tool_names(tools: list[dict]) -> list[str]:
 
 
 def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    return closed_schema(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def response_schema(fmt) -> dict:
+    """`response_format.json_schema`'s schema; closed with `strict: true`, as OpenAI's strict mode."""
+    return closed_schema(fmt.json_schema) if fmt.strict else fmt.json_schema
+
+
+def closed_schema(schema):
+    """A copy of `schema` where every object that lists its properties and says nothing of others
+    (no `additionalProperties`, `patternProperties` or `unevaluatedProperties`) admits no other keys:
+    OpenAI's strict mode, and vLLM's default backend for tool parameters. Subschemas of an `allOf` stay
+    as written (closing each part would refuse the keys of the others)."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_schema(sub) for name, sub in closed[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_schema(sub) for sub in closed[key]]
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(closed.get(key), dict):
+            closed[key] = closed_schema(closed[key])
+    if isinstance(closed.get("properties"), dict) and not any(
+            key in closed for key in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        closed["additionalProperties"] = False
+    return closed
 
 
 def mode(body) -> str | None:
@@ -51,7 +84,11 @@ def mode(body) -> str | None:
             raise bad_request(f"tool_choice={choice!r} is invalid: expected none, auto, required or "
                               f"{{'type': 'function', 'function': {{'name': ...}}}}", "tool_choice")
         return choice
-    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request("tool_choice: expected none, auto, required or {'type': 'function', 'function': "
+                          "{'name': ...}}", "tool_choice")
+    name = function["name"]
     if name not in names:
         raise bad_request(f"tool_choice: function {name!r} is not among tools ({', '.join(names)})", "tool_choice")
     return "named"
@@ -62,9 +99,10 @@ def _named_tool(body) -> dict:
     return next(tool for tool in body.tools if tool["function"]["name"] == name)
 
 
-def required_schema(tools: list[dict]) -> dict:
-    """A non-empty JSON array of {name, parameters} calls, each one of the tools (vLLM's schema, closed)."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+def required_schema(tools: list[dict], parallel: bool = True) -> dict:
+    """A non-empty JSON array of {name, parameters} calls, each one of the tools (vLLM's schema, closed);
+    one call at most with parallel_tool_calls false."""
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                           "parameters": _parameters(tool)},
          # Closed objects: a small model otherwise keeps adding keys after the parameters.
@@ -79,28 +117,53 @@ def forced_specs(body) -> list[tuple[str, dict]]:
     if current == "named":
         return [("tool_choice", {"json": _parameters(_named_tool(body))})]
     if current == "required":
-        return [("tool_choice", {"json": required_schema(body.tools)})]
+        return [("tool_choice", {"json": required_schema(body.tools, body.parallel_tool_calls is not False)})]
     return []
 
 
 def template_kwargs(body) -> dict:
-    """chat_template_kwargs plus the tools, which HF chat templates take as `tools`."""
+    """chat_template_kwargs plus the tools, `documents` and `reasoning_effort`, which chat templates take
+    under those names (as vLLM passes them; a template that does not read one renders without it)."""
     kwargs = dict(body.chat_template_kwargs or {})
     if body.tools:
         kwargs.setdefault("tools", body.tools)
+    for name in ("documents", "reasoning_effort"):
+        value = getattr(body, name, None)
+        if value is not None:
+            kwargs.setdefault(name, value)
     return kwargs
 
 
-def template_message(message, text: str) -> dict:
-    """One history message for the chat template, with tool calls (arguments as objects) and tool results."""
+def _checked_tool_calls(calls, index: int) -> list[dict]:
+    """A history message's `tool_calls`, each checked before a chat template iterates it (a 400 naming it)."""
+    param = f"messages.{index}.tool_calls"
+    if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
+        raise bad_request(f"{param}: expected a list of {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                          f"'arguments': ...}}}} objects, got {type(calls).__name__}", param)
+    for j, call in enumerate(calls):
+        function, where = call.get("function"), f"{param}.{j}.function"
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments", ""), (str, dict)):
+            raise bad_request(f"{where}: expected {{'name': a string, 'arguments': a JSON string or object}}, got "
+                              f"{type(function).__name__}", where)
+    return calls
+
+
+def template_message(message, text: str, index: int = 0) -> dict:
+    """One history message (`messages[index]`) for the chat template, with tool calls (arguments as
+    objects) and tool results; 400 on a tool field of the wrong type."""
     rendered = {"role": message.role, "content": text}
     extra = message.model_extra or {}
     if message.name is not None:
         rendered["name"] = message.name
-    if extra.get("tool_call_id") is not None:
-        rendered["tool_call_id"] = extra["tool_call_id"]
+    call_id = extra.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise bad_request(f"messages.{index}.tool_call_id: expected a string, got {type(call_id).__name__}",
+                              f"messages.{index}.tool_call_id")
+        rendered["tool_call_id"] = call_id
     calls = extra.get("tool_calls")
-    if calls:
+    if calls is not None and _checked_tool_calls(calls, index):  # an empty list renders as none, as before
         rendered["tool_calls"] = []
         for call in calls:
             function = dict(call.get("function") or {})
@@ -147,16 +210,43 @@ class ToolCalling:
         return cls(current, body, parser)
 
     def calls_from_text(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content left for the message, tool calls) for a finished sample's text."""
+        """(content left for the message, tool calls) for a finished sample's text; one call at most
+        with parallel_tool_calls false (vLLM keeps the first)."""
+        content, calls = self._calls(text)
+        if getattr(self.body, "parallel_tool_calls", True) is False:
+            calls = calls[:1]
+        return content, calls
+
+    def _calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "named":
             return None, [ToolCall(_named_tool(self.body)["function"]["name"], text)]
         if self.mode == "required":
             try:
                 calls = json.loads(text)
-            except json.JSONDecodeError:  # cut short by max_tokens: nothing whole to call
-                return text, []
+            except json.JSONDecodeError:  # cut short by max_tokens: still tool calls, the last one's arguments cut
+                cut = _cut_calls(text)
+                return (None if cut else text), cut
             return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
         return parse_tool_calls(self.parser, text)
+
+
+_CALL_START = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
+
+
+def _cut_calls(text: str) -> list[ToolCall]:
+    """The calls of a `required` array that max_tokens cut short: each whole one, then the cut one with
+    the arguments written so far (as a named call cut short keeps its partial arguments)."""
+    calls = []
+    decoder = json.JSONDecoder()
+    for match in _CALL_START.finditer(text):
+        name = json.loads(f'"{match.group(1)}"')
+        try:
+            arguments, _ = decoder.raw_decode(text, match.end())
+        except json.JSONDecodeError:
+            calls.append(ToolCall(name, text[match.end():]))
+            break
+        calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+    return calls
 
 
 def message(tool_call: ToolCalling | None, text: str, finish_reason) -> tuple[dict, str | None]:

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from lockstep_common.argparsing import ArgumentParser
 from lockstep.bench.workload import make_workload
 from lockstep_engine.config import SCHEDULING_POLICIES, num_scheduler_steps_arg
 from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
@@ -18,7 +19,7 @@ from lockstep_engine.sampling_params import SamplingParams
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lockstep bench throughput", description=__doc__)
+    parser = ArgumentParser(prog="lockstep bench throughput", description=__doc__)
     parser.add_argument("model")
     parser.add_argument("--workload", default="sharegpt-synth", choices=["sharegpt-synth"])
     parser.add_argument("--num-prompts", type=int, default=200)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from lockstep_common.argparsing import ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lockstep fetch", description=__doc__)
+    parser = ArgumentParser(prog="lockstep fetch", description=__doc__)
     parser.add_argument("model", help="smollm2 (downloaded once into ~/.cache/lockstep), or any source to check")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     from lockstep_engine.sources import ModelSourceError, fetch_smollm2, resolve

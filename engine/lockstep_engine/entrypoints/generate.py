@@ -6,11 +6,12 @@ import argparse
 import json
 import sys
 
+from lockstep_common.argparsing import ArgumentParser
 from lockstep_engine.config import ConfigError, num_scheduler_steps_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lockstep generate", description=__doc__)
+    parser = ArgumentParser(prog="lockstep generate", description=__doc__)
     parser.add_argument("model", help="smollm2, random:<shape>, a .gguf file or a Hugging Face directory")
     parser.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")

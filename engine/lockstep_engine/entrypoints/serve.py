@@ -2,8 +2,8 @@
 
 Three processes: this one runs uvicorn + FastAPI, the tokenizer and streaming; the engine core runs
 the model in a process of its own (spawned by the API server), so HTTP work never delays a step. A
-third, small one, the health listener (api/health_listener.py), owns the listening socket: it answers
-`/health` itself, so probes never wait for a busy event loop, and passes every other connection on.
+third, small one, the health listener (lockstep_common/health_listener.py), owns the listening socket: it
+answers `/health` itself, so probes never wait for a busy event loop, and passes every other connection on.
 SIGTERM (or Ctrl-C) drains: `/health` and new requests get 503, requests in flight finish within
 `--shutdown-grace-period` (then they are aborted), the engine core stops, and the exit code is 0.
 A second signal exits at once.
@@ -15,10 +15,18 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 from dataclasses import fields
 
-from lockstep_engine.config import SCHEDULING_POLICIES, ConfigError, EngineConfig, num_scheduler_steps_arg
+from lockstep_common.argparsing import ArgumentParser, port_number
+from lockstep_engine.config import (
+    DEFAULT_LONG_PREFILL_TOKENS,
+    SCHEDULING_POLICIES,
+    ConfigError,
+    EngineConfig,
+    num_scheduler_steps_arg,
+)
 from lockstep_engine.entrypoints import vllm_flags
 from lockstep_engine.entrypoints.cli_values import config_file_args, human_readable_int
 
@@ -26,14 +34,14 @@ DEFAULT_PORT = 8000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lockstep serve", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog="lockstep serve", description=__doc__.split("\n")[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("model", nargs="?",
                         help="smollm2, random:<shape>, a .gguf file, a Hugging Face directory or hub id (org/name)")
     parser.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
-    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="1-65535")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in 'model' (default: MODEL)")
     server.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY") or os.environ.get("VLLM_API_KEY"),
@@ -82,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--long-prefill-token-threshold", type=human_readable_int, default=DEFAULT_LONG_PREFILL_TOKENS,
+                        help="a prompt with more tokens left than this computes at most this many per step, so "
+                             "streams decoding beside it keep their pace (0: chunked by --max-num-batched-tokens only)")
+    engine.add_argument("--max-long-partial-prefills", type=int, default=1,
+                        help="long prompts (over --long-prefill-token-threshold) partly computed at once")
     engine.add_argument("--scheduling-policy", default="lof", choices=list(SCHEDULING_POLICIES),
                         help="queue order: fcfs (arrival), lof (longest max_tokens first; a request that "
                              "waited --lof-max-wait seconds goes ahead of fresh ones), or priority (the "
@@ -143,9 +156,8 @@ def parse_args(argv: list[str]):
         defaults = vllm_flags.server_defaults(args, config)
     except ValueError as error:  # DefaultsError, HubCacheError: the message names the flag or the paths
         parser.error(str(error))
-    for name in ("port", "max_request_body_bytes"):
-        if getattr(args, name) < (0 if name == "port" else 1):
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
+    if args.max_request_body_bytes < 1:
+        parser.error(f"--max-request-body-bytes={args.max_request_body_bytes} is out of range: allowed >= 1")
     for name in ("header_read_timeout", "body_read_timeout", "keep_alive_timeout"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range: expected seconds > 0")
@@ -178,16 +190,28 @@ def parse_args(argv: list[str]):
     return args, config, settings
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on, checked before the model loads; None when it can."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from lockstep_engine.api.app import build_app, probe_answer
-    from lockstep_engine.api.health_listener import PROBE_PATHS
-    from lockstep_engine.api.health_server import HealthListenerServer
+    from lockstep_engine.api.health_server import PROBE_PATHS, HealthListenerServer
     from lockstep_engine.api.http_limits import header_timeout_protocol
     from lockstep_engine.log import log
 
     args, config, settings = parse_args(list(sys.argv[1:] if argv is None else argv))
+    taken = None if args.uds else port_taken(args.host, args.port)
+    if taken is not None:
+        log(f"error: --port {args.port}: cannot listen on {args.host}: {taken} (is the port taken?)")
+        return 1
     app = build_app(config, settings)
     state = app.state.server
     if args.disable_fastapi_docs:
@@ -203,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     class DrainingServer(HealthListenerServer):
         """uvicorn's server with a drain on the first SIGTERM/SIGINT instead of closing the listener, and
-        /health answered off the event loop (api/health_listener.py)."""
+        /health answered off the event loop (lockstep_common/health_listener.py)."""
 
         exit_code = 0
         _drain_task = None

@@ -236,15 +236,17 @@ FLAGS: tuple[Flag, ...] = (
     _s("--max-num-batched-tokens", "tokens per forward (vLLM's syntax: 8k, 8K)"),
     _s("--max-num-seqs", "sequences in the running batch"),
     _r("--max-num-partial-prefills", "one prompt is prefilled in chunks at a time", accepted=("1",)),
-    _n("--max-long-partial-prefills", "one prompt is prefilled in chunks at a time", accepted=("1",)),
-    _n("--long-prefill-token-threshold", "prompts are chunked by --max-num-batched-tokens only", accepted=("0",)),
+    _s("--max-long-partial-prefills", "long prompts (over --long-prefill-token-threshold) partly computed at once"),
+    _s("--long-prefill-token-threshold", "a longer prompt computes at most this many tokens per step (default 1024; "
+                                         "0: no cap)"),
     _n("--num-lookahead-slots", "KV slots for a whole window are reserved by the scheduler", accepted=("0",)),
     _s("--scheduling-policy", "fcfs, priority (the request's priority field) or lof (longest output first)"),
     _s("--enable-chunked-prefill", "chunked prefill (default on)"),
     _n("--disable-chunked-mm-input", _TEXT_ONLY, "bool"),
     _r("--scheduler-cls", "the scheduler is built in"),
     _n("--disable-hybrid-kv-cache-manager", "there is one KV-cache manager", "bool"),
-    _n("--async-scheduling", "windows are already planned while the device runs the previous one", "bool"),
+    _n("--async-scheduling", "the host plans once per window of N steps; planning the next window while the "
+                             "device runs one is not built", "bool"),
     _r("--preemption-mode", "preemption always recomputes", accepted=("recompute", "None")),
     _n("--cuda-graph-sizes", "decode CUDA graphs are captured per batch bucket", "values"),
     # ---- whole-engine configs (VllmConfig) --------------------------------------------------

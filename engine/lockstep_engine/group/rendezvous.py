@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lockstep_engine.config import EngineConfig
+from lockstep_engine.config import ConfigError, EngineConfig
 from lockstep_engine.group.channel import (SECRET_ENV, SECRET_FILE_ENV, GroupChannel, channel_key, hello_proof,
                                            verdict_proof)
 from lockstep_engine.group.errors import AuthenticationError, GroupError
@@ -240,16 +240,26 @@ def listen_on_loopback() -> socket.socket:
     return sock
 
 
-def check_layout(config: EngineConfig, model) -> None:
-    tp = config.tensor_parallel_size
+def _tp_problem(tp: int, model) -> str | None:
     if model.num_attention_heads % tp:
-        raise GroupError(f"tensor_parallel_size={tp} does not divide the model's {model.num_attention_heads} "
-                         f"attention heads")
+        return f"does not divide the model's {model.num_attention_heads} attention heads"
     kv = model.num_key_value_heads
     if kv % tp and tp % kv:
-        raise GroupError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's {kv} KV heads")
+        return f"neither divides nor is a multiple of the model's {kv} KV heads"
     if model.intermediate_size % tp:
-        raise GroupError(f"tensor_parallel_size={tp} does not divide the MLP size {model.intermediate_size}")
+        return f"does not divide the MLP size {model.intermediate_size}"
+    return None
+
+
+def check_layout(config: EngineConfig, model) -> None:
+    """A layout the model cannot be split into is the user's flags: a ConfigError (one line, no
+    traceback) naming the sizes that fit."""
+    tp = config.tensor_parallel_size
+    problem = _tp_problem(tp, model)
+    if problem:
+        fits = [size for size in range(1, model.num_attention_heads + 1) if _tp_problem(size, model) is None]
+        raise ConfigError(f"tensor_parallel_size={tp} {problem} (expected one of {', '.join(map(str, fits))})")
     pp = config.pipeline_parallel_size
     if pp > model.num_hidden_layers:
-        raise GroupError(f"pipeline_parallel_size={pp} exceeds the model's {model.num_hidden_layers} layers")
+        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {model.num_hidden_layers} layers "
+                          f"(expected 1 to {model.num_hidden_layers})")

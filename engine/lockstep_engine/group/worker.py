@@ -26,8 +26,8 @@ def run_worker(config: EngineConfig) -> int:
         raise GroupError("LOCKSTEP_RANK=0 is the leader: it runs `lockstep serve`, not `lockstep worker`")
     try:
         loaded = load_engine(config, rank)
-    except GroupError as error:  # the rendezvous failed or refused this rank: the message names it
-        log(f"{error}; exiting")
+    except (GroupError, ValueError) as error:  # the rendezvous, the model or the layout: the message names it
+        log(f"error: rank {rank}: {error}; exiting")
         return 1
     executor, channel = loaded.executor, loaded.channel
     decoder = PlanDecoder()
@@ -39,10 +39,10 @@ def run_worker(config: EngineConfig) -> int:
                 return 0
             plan = decoder.decode(data)
         except (AuthenticationError, PlanCodecError) as error:
-            log(f"rank {rank}: {error}; exiting")
+            log(f"error: rank {rank}: {error}; exiting")
             return 1
         except RuntimeError as error:
-            log(f"rank {rank}: lost the leader ({error}); exiting")
+            log(f"error: rank {rank}: lost the leader ({error}); exiting")
             return 1
         if plan is not None:  # None: a release-only message, nothing to run
             executor.execute_window(plan, lambda step: None)

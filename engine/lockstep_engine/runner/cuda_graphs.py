@@ -4,8 +4,8 @@ A decode step (forward, sampling, feedback of the token, position/slot advance, 
 captured once per batch bucket; inside a window each step is then one graph replay, so the GPU
 runs step after step while the host only enqueues replays and reads finished steps' tokens. A
 window of decode rows only replays from its first step on (no eager forward at the boundary).
-Windows needing per-step host work (guided decoding) or rarely used features (penalties, logprobs)
-run eagerly.
+Windows needing per-step host work (guided decoding) or rarely used features (penalties, logprobs,
+logit bias, allowed_token_ids, bad words) run eagerly, without a host sync all the same.
 """
 
 from __future__ import annotations
@@ -109,8 +109,10 @@ class DecodeGraphs:
 
     def usable(self, state, guide) -> bool:
         t = state.sampling
-        return (guide is None and state.counts is None and t.num_logprobs < 0
-                and t.stop_ids.shape[1] <= MAX_STOP_IDS and state.tokens.shape[0] <= BUCKETS[-1])
+        # The graphs hold no logit bias and no bad words: a window with either would sample without them.
+        return (guide is None and state.counts is None and t.num_logprobs < 0 and t.logit_bias is None
+                and t.bad_last is None and t.stop_ids.shape[1] <= MAX_STOP_IDS
+                and state.tokens.shape[0] <= BUCKETS[-1])
 
     def _graph(self, rows: int, t: SamplingTensors) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)

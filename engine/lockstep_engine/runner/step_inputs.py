@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from lockstep_engine.sampler import SamplingTensors, row_seed
+from lockstep_engine.sampler import ANY_TOKEN, SamplingTensors, row_seed
 
 _ALIGN = 16  # elements: every packed array starts 128-byte aligned (int64), as a separate allocation would
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
@@ -223,7 +223,8 @@ class RowSampling(NamedTuple):
     num_logprobs: int  # -1: no logprobs
     penalties: tuple[float, float, float] | None  # presence, frequency, repetition
     logit_bias: dict[int, float] | None
-    plain: bool  # none of filtered, logprobs, penalties, logit_bias: a window of such rows skips their flags
+    bad_words: list[tuple[int, ...]]  # bad words of several tokens (one-token ones are in logit_bias)
+    plain: bool  # none of filtered, logprobs, penalties, logit_bias, bad_words: a window of such rows skips their flags
 
 
 _INT_FIELDS = ("top_k", "seeds", "min_tokens")
@@ -260,12 +261,13 @@ class SamplingCache:
         filtered = p.needs_filtering and not p.is_greedy
         num_logprobs = -1 if p.logprobs is None else p.logprobs
         penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) if p.has_penalties else None
-        logit_bias = p.logit_bias or None
+        logit_bias = p.masked_logit_bias(self.vocab_size)  # allowed_token_ids and one-token bad words at -inf
+        bad_words = p.multi_token_bad_words
         return RowSampling(
             ints=array("q", ints).tobytes(), floats=array("f", floats).tobytes(), stop_ids=stop_ids,
             stop_bytes=array("q", stop_ids).tobytes(), filtered=filtered, num_logprobs=num_logprobs,
-            penalties=penalties, logit_bias=logit_bias,
-            plain=not filtered and num_logprobs < 0 and penalties is None and logit_bias is None)
+            penalties=penalties, logit_bias=logit_bias, bad_words=bad_words,
+            plain=not filtered and num_logprobs < 0 and penalties is None and logit_bias is None and not bad_words)
 
 
 @dataclass
@@ -278,12 +280,14 @@ class HostSampling:
     num_logprobs: int
     penalties: bool
     biases: bool
+    bad_words: bool = False
 
 
 def sampling_arrays(sampling_rows, cache: SamplingCache) -> HostSampling:
     """temperature, top_p, min_p (float32), top_k, seeds, min_tokens: [rows]; stop_ids: [rows, S] padded with
     -1. With penalties: presence, frequency, repetition [rows], and the (row, token) pairs of the prompt
-    masks and output counts; with logit bias: its (row, token, bias) entries."""
+    masks and output counts; with logit bias: its (row, token, bias) entries; with bad words of several
+    tokens: `bad_word_arrays`."""
     seqs = list(map(_seq, sampling_rows))
     params = cache.get_all(seqs)
     count = len(params)
@@ -311,9 +315,33 @@ def sampling_arrays(sampling_rows, cache: SamplingCache) -> HostSampling:
         arrays.update(_row_token_pairs("bias", [list(m) for m in maps]))
         arrays["bias_values"] = np.fromiter(chain.from_iterable(m.values() for m in maps), np.float32,
                                             arrays["bias_tokens"].size)
+    bad_words = any(p.bad_words for p in params)
+    if bad_words:
+        arrays.update(bad_word_arrays([p.bad_words for p in params], seqs))
     return HostSampling(arrays, all_greedy, any_filter=any(p.filtered for p in params),
                         num_logprobs=max((p.num_logprobs for p in params), default=-1), penalties=penalties,
-                        biases=biases)
+                        biases=biases, bad_words=bad_words)
+
+
+def bad_word_arrays(words_by_row: list[list[tuple[int, ...]]], seqs) -> dict[str, np.ndarray]:
+    """The window's bad words of several tokens, one entry per (row, word): bad_rows, bad_last [words];
+    bad_prefix [words, H] the tokens before the last, right-aligned, ANY_TOKEN before a shorter word's
+    first; and recent [rows, H], each row's last H outputs so far, right-aligned, -1 before its first
+    (no token matches it: a word is banned only after all its other tokens were generated, as vLLM).
+    H is the longest prefix. The window appends each sampled token to `recent` on the device."""
+    entries = [(row, word) for row, words in enumerate(words_by_row) for word in words]
+    width = max(len(word) - 1 for _, word in entries)
+    prefix = np.full((len(entries), width), ANY_TOKEN, np.int64)
+    for index, (_, word) in enumerate(entries):
+        prefix[index, width - len(word) + 1:] = word[:-1]
+    recent = np.full((len(seqs), width), -1, np.int64)
+    for row, seq in enumerate(seqs):
+        outputs = seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - width):]
+        if outputs:
+            recent[row, width - len(outputs):] = outputs
+    return {"bad_rows": np.fromiter((row for row, _ in entries), np.int64, len(entries)),
+            "bad_last": np.fromiter((word[-1] for _, word in entries), np.int64, len(entries)),
+            "bad_prefix": prefix, "recent": recent}
 
 
 def _row_token_pairs(prefix: str, lists: list) -> dict[str, np.ndarray]:
@@ -338,6 +366,8 @@ def sampling_tensors(host: HostSampling, views: dict[str, torch.Tensor], num_row
     if host.biases:
         t.logit_bias = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
         t.logit_bias[views["bias_rows"], views["bias_tokens"]] = views["bias_values"]
+    if host.bad_words:
+        t.bad_rows, t.bad_last, t.bad_prefix = views["bad_rows"], views["bad_last"], views["bad_prefix"]
     return t
 
 

@@ -63,16 +63,16 @@ class Steps:
             return None
         return hidden
 
-    def sample_local(self, hidden, t: SamplingTensors, num_generated, counts, guide) -> SampleOutput:
+    def sample_local(self, hidden, t: SamplingTensors, num_generated, counts, guide, recent=None) -> SampleOutput:
         logits = self.model.compute_logits(hidden).float()
-        return self.sampler(logits, t, num_generated, counts, guide.allowed_mask() if guide else None)
+        return self.sampler(logits, t, num_generated, counts, guide.allowed_mask() if guide else None, recent)
 
     def sample_first(self, hidden, first: FirstStep, guide) -> SampleOutput | None:
         """Step 1's samples on the last stage (its sampling rows' last tokens); None elsewhere."""
         if hidden is None:
             return None
         return self.sample_local(hidden[first.sample_index], first.sampling, first.num_generated, first.counts,
-                                 guide)
+                                 guide, first.recent)
 
     def prompt_logprobs(self, hidden, first: FirstStep) -> dict[int, PromptLogprobs]:
         """Logprobs of the prompt tokens step 1 predicts, for the rows that asked for them (on the last
@@ -126,7 +126,7 @@ class Steps:
         hidden = self.forward(state.tokens, state.positions, self.decode_meta(state, max_seq_len), sends)
         if hidden is None:
             return None
-        return self.sample_local(hidden, state.sampling, state.num_generated, state.counts, guide)
+        return self.sample_local(hidden, state.sampling, state.num_generated, state.counts, guide, state.recent)
 
     def take(self, state: DecodeState, out: SampleOutput | None) -> SampleOutput:
         """Every rank adopts a decode step's samples and feeds them back; returns them."""
@@ -149,6 +149,9 @@ class Steps:
         state.steps_done = state.steps_done + valid.long()
         if state.counts is not None:
             state.counts.scatter_add_(1, state.tokens.unsqueeze(1), valid.float().unsqueeze(1))
+        if state.recent is not None:  # the bad words' view of the outputs moves on by this step's token
+            shifted = torch.cat((state.recent[:, 1:], state.tokens.unsqueeze(1)), dim=1)
+            state.recent = torch.where(valid.unsqueeze(1), shifted, state.recent)
         state.num_generated = state.num_generated + valid.long()
         at_limit = (state.steps_done >= state.budget) & valid
         finish = torch.where(hit_stop, FINISH_STOP, torch.where(at_limit, FINISH_LENGTH, FINISH_NONE))
@@ -187,7 +190,8 @@ class Steps:
             sampling_rows=sampling_rows, sampling=t, counts=counts, num_generated=views["num_generated"],
             max_steps=views["max_steps"], budget=views["budget"],
             max_dec_len=int(seq_lens[host["sample_sel"]].max(initial=0)),
-            prompt=prompt, prompt_index=views.get("prompt_index"), prompt_targets=views.get("prompt_targets"))
+            prompt=prompt, prompt_index=views.get("prompt_index"), prompt_targets=views.get("prompt_targets"),
+            recent=views.get("recent"))
 
     def decode_state(self, first: FirstStep, out: SampleOutput) -> DecodeState:
         """Device state of the decode steps after step 1, with step 1's samples fed back."""
@@ -207,4 +211,4 @@ class Steps:
             done=torch.zeros(n, dtype=torch.bool, device=self.device),
             steps_done=torch.zeros(n, dtype=torch.int64, device=self.device),
             max_steps=first.max_steps, budget=first.budget, num_generated=first.num_generated,
-            sampling=first.sampling, counts=first.counts)
+            sampling=first.sampling, counts=first.counts, recent=first.recent)

@@ -28,6 +28,7 @@ class DecodeState:
     counts: torch.Tensor | None  # [rows, vocab] output token counts (penalties)
     # [2, rows]: this step's token per row (-1 where the row was done before it) and its finish code
     emitted: torch.Tensor | None = None
+    recent: torch.Tensor | None = None  # [rows, H] latest outputs, with bad words of several tokens
 
 
 @dataclass
@@ -51,6 +52,7 @@ class FirstStep:
     prompt: PromptRows | None = None  # rows that asked for prompt logprobs, and their positions
     prompt_index: torch.Tensor | None = None  # [positions] flattened token index (`PromptRows`)
     prompt_targets: torch.Tensor | None = None  # [positions] the prompt token each position predicts
+    recent: torch.Tensor | None = None  # [sampling rows, H] latest outputs before the window (bad words)
 
 
 def has_guided_rows(rows) -> bool:

@@ -1,5 +1,5 @@
-// Builds CoreDNS (the cluster DNS of the e2e cluster) from its Go module; ../build.sh puts the
-// binary into an image. Nothing here is imported by the Python project.
+// Builds CoreDNS (the cluster DNS of the e2e cluster) from its Go module, main.go choosing the
+// plugins; ../build.sh puts the binary into an image. Nothing here is imported by the Python project.
 module lockstep.dev/hack/e2e/coredns
 
 go 1.26.0

@@ -1,5 +1,6 @@
-"""The health listener: a small process that owns the server's listening socket, answers `/health` itself and
-passes every other connection to the API process (`api/health_server.py` starts it).
+"""The health listener: a small process that owns a server's listening socket, answers `/health` itself and
+passes every other connection to the server's process (`health_server.py` starts it; `lockstep serve` and
+`lockstep gateway` run one each, and every gateway worker its own). Below, "the API process" is that server.
 
 Why: with thousands of streams open the API process's event loop is busy for seconds at a time (h11 and
 the SSE sends, admitting a burst of arrivals), and a probe's connection waited behind that work in
@@ -8,16 +9,19 @@ the API process does not escape it either: every socket call gives up the GIL an
 switch interval (5 ms) to get it back from the busy loop, so a thread that handles every connection
 falls seconds behind a burst (measured; docs/RELIABILITY.md).
 
-How: this process accepts every connection and peeks (MSG_PEEK) at its first request. A complete
-`GET /health` or `GET /ping` is answered here with what the app would send: the status, headers and body
-the API process last published over the channel (`app.health_response`, refreshed every 50 ms), the
-caller's or a new x-request-id, uvicorn's date and server headers, and an access-log line when that log
-is on. The connection stays here while it sends only such requests (keep-alive, closed after the
-keep-alive timeout idle). Anything else (another route or method, a body, `Origin`, `Expect`, `Upgrade`,
-`X-Forwarded-For`, a request h11 does not parse, headers beyond `max_header_bytes`) is passed untouched,
-since nothing was consumed, with its header deadline while its headers are incomplete, over a Unix socket (SCM_RIGHTS) to the API process,
-whose loop serves it with uvicorn's protocol as if it had accepted it itself. A connection whose headers
-are not complete within the header timeout is closed, as uvicorn's protocol would.
+How: this process accepts every connection and peeks (MSG_PEEK) at its first request at once (64 accepts
+per round, so a probe behind a burst of connections is not left until the whole burst is accepted). A
+complete `GET /health` or `GET /ping` (the paths it is given; `probe_http.py` says what counts as one) is
+answered here with what the app would send: the status, headers and body the API process last published
+over the channel (refreshed every 50 ms; `health_server.py`), the caller's or a new x-request-id when the
+app sends one, uvicorn's date and server headers, and an access-log line when that log is on. The
+connection stays here while it sends only such requests (keep-alive, closed after the keep-alive timeout
+idle). Anything else (another route or method, a body, `Origin`, `Expect`, `Upgrade`, `X-Forwarded-For`,
+a request the strict probe parser does not take, headers beyond 8 KiB) is passed untouched, since nothing
+was consumed, with its header deadline while its headers are incomplete, over a Unix socket (SCM_RIGHTS,
+up to 64 connections per message, once per round) to the API process, whose loop serves it with uvicorn's
+protocol as if it had accepted it itself. A connection whose headers are not complete within the header
+timeout is closed, as uvicorn's protocol would.
 
 Only a live API process's answer is given. When it is stopped (SIGSTOP: its /proc state) or its event
 loop has not run for `LOOP_STUCK_S` (hung, not merely busy: under a burst of 3000 streams it stalled for up
@@ -26,8 +30,9 @@ like any other request, and time out there as they did before. A silent publishe
 dead process: in a 3000-stream run it missed its ticks for over a second (the GIL held by others), and a
 probe that went to the busy loop then took 5.5 s.
 
-Nothing here blocks: non-blocking sockets in an edge-triggered epoll (a peeked, incomplete request wakes
-this process again only when more bytes arrive), one send of a few hundred bytes per answer (a client
+Standard library only: the gateway and the engine both run it, and neither's packages are imported here.
+Nothing here blocks: an edge-triggered epoll (a peeked, incomplete request wakes this process again only
+when more bytes arrive), every socket call non-blocking, one send of a few hundred bytes per answer (a client
 that does not take them is closed), and connections the API process is slow to take wait in a queue
 here. The process ignores SIGINT/SIGTERM (the API process drains, then closes the channel) and exits
 when the channel closes, also when the API process was killed.
@@ -40,36 +45,33 @@ import email.utils
 import errno
 import json
 import logging
-import logging.config
 import os
 import re
 import select
 import signal
 import socket
 import struct
+import sys
 import time
 import uuid
 from dataclasses import dataclass
+from http import HTTPStatus
 
-import h11
-from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn's h11 protocol imports it
-from uvicorn.protocols.http.h11_impl import STATUS_PHRASES
+from lockstep_common.probe_http import NEED_DATA, PROBE_MAX_BYTES, Probe, ProbeParser, response
 
 PROBE_PATHS = (b"/health", b"/ping")
-# Requests that a middleware outside the route would treat differently (CORS, 100-continue, websockets,
-# the client address uvicorn's proxy-headers rewrite logs): the API process answers them.
-_LOOP_HEADERS = frozenset((b"origin", b"expect", b"upgrade", b"x-forwarded-for"))
-_CLOSE_HEADER = (b"connection", b"close")
+UVICORN_LOG_FORMAT = "%(levelprefix)s %(message)s"
 _ACCEPT_LIMIT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_PAUSE_S = 1.0  # as asyncio: out of file descriptors, try accepting again after this
 FDS_PER_MESSAGE = 64  # connections passed per channel message
+ACCEPTS_PER_ROUND = 64
 DEADLINE = struct.Struct("d")  # a passed connection's header deadline (time.monotonic(), system-wide); 0: none
 TICK = struct.Struct("d")  # the API process's liveness message: when its event loop last ran (time.monotonic())
 LOOP_STUCK_S = 30.0  # its event loop has not run for this long (hung): it answers probes itself, so they time out
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 
-logger = logging.getLogger("uvicorn.error")
-access_logger = logging.getLogger("uvicorn.access")
+logger = logging.getLogger("lockstep.health_listener")
+access_logger = logging.getLogger("lockstep.health_listener.access")
 
 
 def request_id(headers) -> str:
@@ -81,7 +83,8 @@ def request_id(headers) -> str:
 
 
 def encode_state(status: int, headers, body: bytes, default_headers, date_header: bool) -> bytes:
-    """A channel message from the API process: /health's answer and uvicorn's default headers."""
+    """A channel message from the API process: /health's answer (status, raw headers, body) and uvicorn's default
+    headers (`config.encoded_headers`, and whether it sends a date header)."""
     return json.dumps({"status": status, "headers": [[n.decode("latin-1"), v.decode("latin-1")] for n, v in headers],
                        "body": body.decode("latin-1"), "date_header": date_header,
                        "default_headers": [[n.decode("latin-1"), v.decode("latin-1")] for n, v in default_headers]
@@ -104,15 +107,16 @@ class _Held:
 
 
 class HealthListener:
+    """`request_ids`: the answer carries the caller's or a new x-request-id, as the engine's app adds one."""
+
     def __init__(self, sockets: list[socket.socket], channel: socket.socket, *, paths=PROBE_PATHS,
-                 header_timeout_s: float, keep_alive_timeout_s: float, max_header_bytes: int):
+                 header_timeout_s: float, keep_alive_timeout_s: float, request_ids: bool = False):
         self.sockets = sockets
         self._channel = channel
-        self._paths = frozenset(paths)
-        self._prefixes = tuple(b"GET " + path for path in self._paths)
+        self._parser = ProbeParser(paths)
         self._header_timeout_s = header_timeout_s
         self._keep_alive_timeout_s = keep_alive_timeout_s
-        self._max_header_bytes = max_header_bytes
+        self._request_ids = request_ids
         self._state: dict | None = None  # the API process's last message; connections wait until the first
         self._heard_at = 0.0  # when the last message came
         self._api_pid = os.getppid()
@@ -125,9 +129,10 @@ class HealthListener:
         self._outbox: list[tuple[socket.socket, float]] = []  # passed to the API process when the channel takes them
         self._next_expiry = float("inf")
         self._accept_paused_until = 0.0
+        self._channel_writable = True  # False from a full channel until epoll says it takes more
         self._open = True
         for sock in sockets:
-            sock.setblocking(False)
+            sock.setblocking(False)  # accepted ones stay blocking (the server's loop makes them not): calls here say MSG_DONTWAIT
         channel.setblocking(False)
         self._epoll.register(channel.fileno(), select.EPOLLIN)
 
@@ -141,11 +146,13 @@ class HealthListener:
                         if mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
                             self._read_channel()
                         if self._open and mask & select.EPOLLOUT:
-                            self._flush()
+                            self._channel_writable = True
                     elif fd in self._listening:
                         self._accept(self._listening[fd])
                     elif fd in self._held:
                         self._serve(self._held[fd])
+                if self._outbox and self._channel_writable:
+                    self._flush()  # once per round: up to FDS_PER_MESSAGE connections per message
                 now = time.monotonic()
                 if now >= self._next_expiry:
                     self._expire(now)
@@ -192,6 +199,7 @@ class HealthListener:
                 socket.send_fds(self._channel, [b"".join(DEADLINE.pack(deadline) for _, deadline in batch)],
                                 [sock.fileno() for sock, _ in batch])
             except (BlockingIOError, InterruptedError):
+                self._channel_writable = False
                 self._epoll.modify(self._channel.fileno(), select.EPOLLIN | select.EPOLLOUT)
                 return
             except OSError:
@@ -211,7 +219,10 @@ class HealthListener:
                 self._epoll.unregister(fd)
 
     def _accept(self, listener: socket.socket) -> None:
-        while True:
+        """Accepts up to `ACCEPTS_PER_ROUND` connections (the listening socket stays readable for the rest, so that
+        connections accepted before are served in between) and looks at each one's request at once: a probe sent
+        with its connection is answered before the connections of a burst behind it are even accepted."""
+        for _ in range(ACCEPTS_PER_ROUND):
             try:
                 sock, client = listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
@@ -223,20 +234,20 @@ class HealthListener:
                 self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_S
                 self._listen(False)
                 return
-            sock.setblocking(False)
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as both of uvicorn's loops set it
+            if sock.family in (socket.AF_INET, socket.AF_INET6):  # as uvicorn's own listener (asyncio's does not)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             held = _Held(sock, client, time.monotonic() + self._header_timeout_s)
             self._held[sock.fileno()] = held
             self._next_expiry = min(self._next_expiry, held.deadline)
             # Edge-triggered: woken when bytes arrive, not again for the same bytes left unread by a peek.
             self._epoll.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET)
+            self._serve(held)
 
     def _serve(self, held: _Held) -> None:
         """Answers the probes that have arrived, then waits, passes the connection on, or closes it."""
         while True:
             try:
-                data = held.sock.recv(self._max_header_bytes + 1, socket.MSG_PEEK)
+                data = held.sock.recv(PROBE_MAX_BYTES + 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return  # nothing (more) yet
             except OSError:
@@ -249,38 +260,17 @@ class HealthListener:
                 held.reading = True
                 held.deadline = time.monotonic() + self._header_timeout_s
                 self._next_expiry = min(self._next_expiry, held.deadline)
-            verdict = self._parse(data)
-            if verdict is h11.NEED_DATA:
+            probe = self._parser.parse(data)
+            if probe is NEED_DATA:
                 return
-            if verdict is None:
+            if probe is None or not self._api_alive():
                 self._forget(held)
                 # A request whose headers are complete has met its deadline; waiting for a busy loop is not
                 # the client's time (with uvicorn's listener it waited in the accept queue instead).
                 self._outbox.append((held.sock, 0.0 if b"\r\n\r\n" in data else held.deadline))
-                self._flush()
                 return
-            if not self._respond(held, *verdict, len(data)):
+            if not self._respond(held, probe):
                 return
-
-    def _parse(self, data: bytes):
-        """(h11 connection, request, bytes of trailing data) for a probe answered here; NEED_DATA for the start
-        of one; None for anything the API process must see."""
-        if not (data.startswith(self._prefixes) or any(prefix.startswith(data) for prefix in self._prefixes)):
-            return None
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_header_bytes)
-        conn.receive_data(data)
-        try:
-            request = conn.next_event()
-            if request is h11.NEED_DATA:
-                return None if len(data) > self._max_header_bytes else h11.NEED_DATA
-            if (not isinstance(request, h11.Request) or request.method != b"GET" or request.target not in self._paths
-                    or any(name in _LOOP_HEADERS for name, _ in request.headers)):
-                return None
-            if not isinstance(conn.next_event(), h11.EndOfMessage):
-                return None  # a body
-        except h11.RemoteProtocolError:
-            return None  # the API process's h11 answers it (400, 431) as before
-        return (conn, request, len(conn.trailing_data[0])) if self._api_alive() else None
 
     def _api_alive(self) -> bool:
         if time.monotonic() - self._heard_at >= 1.0:
@@ -297,27 +287,23 @@ class HealthListener:
                                "stopped" if stopped else f"running, but its event loop has not run for {stuck_s:.0f} s")
         return alive
 
-    def _respond(self, held: _Held, conn: h11.Connection, request: h11.Request, trailing: int, peeked: int) -> bool:
-        """Consumes the request and sends the answer (as uvicorn's h11 protocol builds it); True when the
-        connection stays open for the next request."""
+    def _respond(self, held: _Held, probe: Probe) -> bool:
+        """Consumes the request and sends the answer; True when the connection stays open for the next request."""
         state = self._state
-        headers = [(name.lower(), value) for name, value in request.headers]
-        response_headers = [*self._default_headers(state), *state["headers"],
-                            (b"x-request-id", request_id(headers).encode())]
-        if _CLOSE_HEADER in headers:
-            response_headers.append(_CLOSE_HEADER)
+        headers = [*self._default_headers(state), *state["headers"]]
+        if self._request_ids:
+            headers.append((b"x-request-id", request_id(probe.headers).encode()))
         status = state["status"]
-        output = conn.send(h11.Response(status_code=status, headers=response_headers, reason=STATUS_PHRASES[status]))
-        output += conn.send(h11.Data(data=state["body"])) + conn.send(h11.EndOfMessage())
-        if access_logger.hasHandlers():
-            access_logger.info('%s - "%s %s HTTP/%s" %d', "%s:%d" % held.client[:2], request.method.decode(),
-                               request.target.decode(), request.http_version.decode(), status)
+        output = response(status, headers, state["body"], probe)
+        if access_logger.isEnabledFor(logging.INFO):
+            access_logger.info('%s - "GET %s HTTP/%s" %d %s', "%s:%d" % held.client[:2], probe.target.decode(),
+                               probe.http_version.decode(), status, HTTPStatus(status).phrase)
         try:
-            consumed = held.sock.recv(peeked - trailing)  # the bytes just peeked are there: no wait
-            sent = held.sock.send(output) if len(consumed) == peeked - trailing else 0
+            consumed = held.sock.recv(probe.length, socket.MSG_DONTWAIT)  # the bytes just peeked are there
+            sent = held.sock.send(output, socket.MSG_DONTWAIT) if len(consumed) == probe.length else 0
         except OSError:
             sent = 0
-        if sent != len(output) or conn.our_state is h11.MUST_CLOSE:
+        if sent != len(output) or not probe.keep_alive:
             self._drop(held)
             return False
         held.reading = False
@@ -348,7 +334,7 @@ class HealthListener:
         for held in list(self._held.values()):
             if held.deadline <= now:
                 try:  # read what was only peeked, so that closing sends a FIN as uvicorn's close does, not a RST
-                    held.sock.recv(self._max_header_bytes + 1)
+                    held.sock.recv(PROBE_MAX_BYTES + 1, socket.MSG_DONTWAIT)
                 except OSError:
                     pass
                 self._drop(held)
@@ -365,32 +351,44 @@ def _stopped(pid: int) -> bool:
         return False  # gone: the channel's end says so
 
 
+class _LevelPrefix(logging.Formatter):
+    """`%(levelprefix)s` as uvicorn's formatter writes it without colours: `INFO:     `."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.levelprefix = f"{record.levelname}:".ljust(9)
+        return super().format(record)
+
+
+def configure_logging(level: int, log_format: str, access_log: bool) -> None:
+    """The server's log format on stderr (access lines on stdout, as uvicorn writes them)."""
+    for log, stream, on in ((logger, sys.stderr, True), (access_logger, sys.stdout, access_log)):
+        log.propagate = False
+        log.setLevel(level if on else logging.CRITICAL + 1)
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(_LevelPrefix(log_format))
+        log.handlers = [handler]
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="lockstep serve's health listener (started by the API process)")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description="a server's health listener (started by it)")
     parser.add_argument("--listen-fd", type=int, action="append", required=True)
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--path", action="append", default=[])
     parser.add_argument("--header-timeout", type=float, required=True)
     parser.add_argument("--keep-alive-timeout", type=float, required=True)
-    parser.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
+    parser.add_argument("--request-ids", action="store_true")
     parser.add_argument("--log-level", type=int, default=logging.WARNING)
+    parser.add_argument("--log-format", default=UVICORN_LOG_FORMAT)
     parser.add_argument("--access-log", action="store_true")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process drains on these, then closes the channel
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from uvicorn.config import LOGGING_CONFIG
-
-    logging.config.dictConfig(LOGGING_CONFIG)  # as uvicorn.Config.configure_logging
-    for name in ("uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).setLevel(args.log_level)
-    if not args.access_log:
-        logging.getLogger("uvicorn.access").handlers = []
-        logging.getLogger("uvicorn.access").propagate = False
+    configure_logging(args.log_level, args.log_format, args.access_log)
     sockets = [socket.socket(fileno=fd) for fd in args.listen_fd]
     channel = socket.socket(fileno=args.channel_fd)
     HealthListener(sockets, channel, paths=[path.encode() for path in args.path] or PROBE_PATHS,
                    header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-                   max_header_bytes=args.max_header_bytes).run()
+                   request_ids=args.request_ids).run()
 
 
 if __name__ == "__main__":
