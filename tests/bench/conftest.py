@@ -153,6 +153,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver listens with a backlog of 5; a benchmark opens all its connections at once, and on a loaded
+    # machine the accept thread falls behind them
+    request_queue_size = 128
 
     def handle_error(self, request: object, client_address: object) -> None:
         # A client closing its connection (a timed-out request, the pool shutting down) is expected.

@@ -213,10 +213,10 @@ def test_cli_runs_the_workload_and_writes_vllm_json(fake_server, tmp_path, capsy
 
 def test_progress_prints_a_line_per_tenth(fake_server, capsys):
     server = fake_server()
-    asyncio.run(run_benchmark(server.url, make_requests([3] * 20), progress=sys.stderr))
+    result = asyncio.run(run_benchmark(server.url, make_requests([3] * 20), progress=sys.stderr))
     lines = [line for line in capsys.readouterr().err.splitlines() if "requests done" in line]
     assert len(lines) == 10, lines
-    assert lines[-1].startswith("bench serve: 20/20 requests done (100%), 0 failed"), lines
+    assert lines[-1].startswith("bench serve: 20/20 requests done (100%), 0 failed"), (lines, result["errors"])
 
 
 def test_bench_modules_import_no_torch_numpy_or_web_framework():
