@@ -135,7 +135,8 @@ def scrape(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    values = {"busy": 0.0, "idle": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0, "boundary_buckets": {}}
+    values = {"busy": 0.0, "idle": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0, "boundary_buckets": {},
+              "windows": 0.0, "steps": 0.0, "cuts": 0.0, "host": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "lockstep_gpu_busy_seconds_total":
@@ -146,6 +147,15 @@ def scrape(url: str) -> dict:
                 values["prefix_hits"] += sample.value
             elif sample.name == "lockstep_prefix_cache_queries_total":
                 values["prefix_queries"] += sample.value
+            elif sample.name == "lockstep_scheduler_window_steps_count":
+                values["windows"] += sample.value
+            elif sample.name == "lockstep_scheduler_window_steps_sum":
+                values["steps"] += sample.value
+            elif sample.name == "lockstep_scheduler_window_cuts_total":
+                values["cuts"] += sample.value
+            elif sample.name == "lockstep_host_phase_seconds_sum":  # the core's host work, per phase
+                phase = sample.labels.get("phase", "")
+                values["host"][phase] = values["host"].get(phase, 0.0) + sample.value
             elif sample.name == f"{GAP}_bucket" and sample.labels.get("boundary") == "window_start":
                 le = float(sample.labels["le"])
                 values["boundary_buckets"][le] = values["boundary_buckets"].get(le, 0.0) + sample.value
@@ -217,6 +227,9 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
         "prefix_cache_hit_share": (after["prefix_hits"] - before["prefix_hits"]) / queries if queries else None,
         "client_cpu_s": usage, "client_wall_s": wall, "client_cpu_share": usage / wall if wall else None,
         "kernels_compiled_during_run": kernels_after - kernels_before,
+        "windows": after["windows"] - before["windows"], "steps": after["steps"] - before["steps"],
+        "cut_windows": after["cuts"] - before["cuts"],
+        "host_s": {phase: seconds - before["host"].get(phase, 0.0) for phase, seconds in after["host"].items()},
     }
     log(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k != "label"))
     return row
