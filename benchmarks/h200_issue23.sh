@@ -65,6 +65,10 @@ for name in ("served_smollm2.json", "served_llama.json"):
               f"TTFT p50/p99 {run['ttft_p50_ms']:.0f}/{run['ttft_p99_ms']:.0f} ms, TPOT p50 {run['tpot_p50_ms']:.2f} ms, "
               f"ITL p99/max {run['itl_p99_ms']:.0f}/{run['itl_max_ms']:.0f} ms, idle {run['idle_fraction']:.1%}, "
               f"median boundary gap {run['median_boundary_gap_us']} us, client CPU {run['client_cpu_share']:.2f}")
+        print(f"  windows {run['windows']:.0f}, steps {run['steps']:.0f}, cut {run['cut_windows']:.0f}; host s "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(run['host_s'].items()))
+              + f"; longest output {run['longest_output_tokens']} tokens: TTFT {run['longest_output_ttft_s']:.2f} s, "
+              f"E2E {run['longest_output_e2el_s']:.2f} s of the run's {run['duration_s']:.2f} s")
     for error in data["errors"]:
         print(f"{name} error: {error[-400:]}")
 EOF

@@ -213,6 +213,8 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
     itl_max = max((gap for gaps in result["itls"] for gap in gaps), default=0.0)
     median_gap = histogram_median(before["boundary_buckets"], after["boundary_buckets"])
     queries = after["prefix_queries"] - before["prefix_queries"]
+    # The request with the most output tokens: at rate inf its own chain of decode steps can set the run's length
+    longest = max(range(len(result["output_lens"])), key=result["output_lens"].__getitem__, default=None)
     row = {
         "label": label, "requests": result["completed"], "failed": result["failed"], "rate": rate,
         "duration_s": result["duration"], "req_per_s": result["request_throughput"],
@@ -229,6 +231,9 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
         "kernels_compiled_during_run": kernels_after - kernels_before,
         "windows": after["windows"] - before["windows"], "steps": after["steps"] - before["steps"],
         "cut_windows": after["cuts"] - before["cuts"],
+        "longest_output_tokens": None if longest is None else result["output_lens"][longest],
+        "longest_output_ttft_s": None if longest is None else result["ttfts"][longest],
+        "longest_output_e2el_s": None if longest is None else result["ttfts"][longest] + sum(result["itls"][longest]),
         "host_s": {phase: seconds - before["host"].get(phase, 0.0) for phase, seconds in after["host"].items()},
     }
     log(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k != "label"))
