@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+from collections import Counter
 
 import pytest
 
 from lockstep.bench import serve
-from lockstep.bench.serve import RequestResult, calculate_metrics, percentile, run_benchmark
+from lockstep.bench.serve import RequestResult, calculate_metrics, completion_payload, percentile, run_benchmark
 from lockstep.bench.workload import WorkloadRequest, poisson_arrivals, sharegpt_synth
 
 VLLM_KEYS = {
@@ -231,3 +235,150 @@ def test_bench_modules_import_no_torch_numpy_or_web_framework():
 def test_request_rate_flag_accepts_inf():
     assert math.isinf(serve.parse_config(["--base-url", "http://h:1", "--request-rate", "inf"]).request_rate)
     assert serve.parse_config(["--base-url", "http://h:1", "--request-rate", "2.5"]).request_rate == 2.5
+
+
+# ---------------------------------------------------------------------------------------------
+# --num-client-processes
+
+
+def distinct_requests(n: int) -> list[WorkloadRequest]:
+    """n requests no two alike, so the server's record shows which were sent how often."""
+    return [WorkloadRequest([1000 + i, 1001, 1002], 3 + i % 7) for i in range(n)]
+
+
+def test_two_client_processes_send_each_request_once_and_count_like_one(fake_server):
+    requests = distinct_requests(20)
+    one = bench(fake_server().url, requests)
+    server = fake_server()
+    two = bench(server.url, requests, num_client_processes=2)
+    assert (two["completed"], two["failed"]) == (20, 0), two["errors"]
+    for key in ("total_input_tokens", "total_output_tokens", "input_lens", "output_lens", "num_prompts"):
+        assert two[key] == one[key], key
+    assert two.keys() == one.keys()
+    assert (one["num_client_processes"], two["num_client_processes"]) == (1, 2)
+    assert [len(gaps) for gaps in two["itls"]] == [n - 1 for n in two["output_lens"]]
+    seen = Counter(json.dumps(payload, sort_keys=True) for payload in server.payloads)
+    expected = Counter(json.dumps(completion_payload(r, server.MODEL_ID), sort_keys=True) for r in requests)
+    assert seen == expected
+    assert 0 < two["duration"] and 1 <= two["max_concurrent_requests"] <= 20
+
+
+def test_client_processes_split_max_concurrency(fake_server):
+    server = fake_server(first_token_delay_s=0.02)
+    result = bench(server.url, make_requests([3] * 12), max_concurrency=3, num_client_processes=2)
+    assert (result["completed"], result["max_concurrency"]) == (12, 3)
+    assert server.max_in_flight <= 3
+    assert result["max_concurrent_requests"] <= 3
+
+
+def test_concurrency_shares_are_ceil_and_floor():
+    assert serve.concurrency_shares(7, 3) == [3, 2, 2]
+    assert serve.concurrency_shares(4, 4) == [1, 1, 1, 1]
+    assert serve.concurrency_shares(None, 2) == [None, None]
+
+
+def test_max_overlap_counts_intervals_open_at_once():
+    assert serve.max_overlap([(0, 2), (1, 3), (2, 4)]) == 2
+    assert serve.max_overlap([(0, 1), (1, 2)]) == 1
+    assert serve.max_overlap([]) == 0
+
+
+def test_cli_rejects_a_bad_number_of_client_processes(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main(["--base-url", "http://127.0.0.1:1", "--num-client-processes", "0"])
+    assert exit_info.value.code == 2
+    assert "--num-client-processes must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.main(["--base-url", "http://127.0.0.1:1", "--num-client-processes", "3", "--max-concurrency", "2"])
+    assert "--num-client-processes must be <= --max-concurrency (2), got 3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--num-client-processes must be >= 1, got 0"):
+        bench("http://127.0.0.1:1", make_requests([3]), num_client_processes=0)
+
+
+def test_progress_prints_a_line_per_tenth_over_client_processes(fake_server, capsys):
+    server = fake_server()
+    result = bench(server.url, make_requests([3] * 20), progress=sys.stderr, num_client_processes=2)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "requests done" in line]
+    assert len(lines) == 10, lines
+    assert [line.split()[2] for line in lines] == [f"{2 * k}/20" for k in range(1, 11)]
+    assert lines[-1].startswith("bench serve: 20/20 requests done (100%), 0 failed"), (lines, result["errors"])
+
+
+def test_cli_runs_with_two_client_processes(fake_server, tmp_path, capsys):
+    server = fake_server()
+    path = tmp_path / "result.json"
+    argv = ["--base-url", server.url, "--num-prompts", "10", "--num-client-processes", "2", "--result-json", str(path)]
+    assert serve.main(argv) == 0
+    result = json.loads(path.read_text())
+    assert result.keys() >= VLLM_KEYS | {"workload", "workload_stats", "num_client_processes"}
+    assert (result["completed"], result["failed"], result["num_client_processes"]) == (10, 0, 2)
+    assert result["output_lens"] == [r.output_len for r in sharegpt_synth(num_prompts=10, seed=0)]
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def spawned_children() -> list[int]:
+    """Pids of this process's multiprocessing-spawned children, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"spawn_main" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+class _NotifyingList(list):
+    """The fake server's payload record, setting an event as each request arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = threading.Event()
+
+    def append(self, item: object) -> None:
+        super().append(item)
+        self.arrived.set()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the client processes through /proc")
+def test_a_client_process_that_dies_fails_the_run_naming_it(fake_server):
+    server = fake_server()
+    server.payloads = _NotifyingList()
+    killed: list[int] = []
+
+    def kill_one_client_process() -> None:
+        # The requests stall at the server, so the client processes are alive once one has arrived.
+        if server.payloads.arrived.wait(timeout=60) and (pids := spawned_children()):
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
+
+    killer = threading.Thread(target=kill_one_client_process, daemon=True)
+    killer.start()
+    requests = make_requests([3] * 4, first_token=server.STALL_TOKEN)
+    named = r"client process \d of 2 \(pid \d+\) was killed by signal SIGKILL"
+    with pytest.raises(serve.BenchmarkError, match=named) as info:
+        bench(server.url, requests, timeout_s=30, num_client_processes=2)
+    killer.join(timeout=5)
+    assert killed and f"(pid {killed[0]})" in str(info.value)
+    assert spawned_children() == []
+
+
+def test_a_client_process_that_raises_sends_its_error():
+    import multiprocessing
+
+    parent, child = multiprocessing.Pipe()
+    # offsets and requests of different lengths: sending them raises inside the process body
+    plan = serve.ClientPlan(url="http://127.0.0.1:1/v1/completions", headers={}, model="m", timeout_s=1.0,
+                            indices=[0], requests=make_requests([3]), offsets=[])  # fmt: skip
+    body = threading.Thread(target=lambda: pytest.raises(SystemExit, serve.client_process_main, child, plan))
+    body.start()
+    assert parent.poll(30) and parent.recv() == ("ready",)
+    parent.send(("start", 0.0))
+    assert parent.poll(30)
+    kind, message = parent.recv()
+    body.join(timeout=30)
+    assert kind == "error" and message.startswith("ValueError: zip()"), message
