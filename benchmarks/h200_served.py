@@ -49,6 +49,9 @@ def log(message: str) -> None:
     print(f"[h200_served] {message}", file=sys.stderr, flush=True)
 
 
+CLIENT_PROCESSES = 1  # --client-processes
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="random:tiny" if SMALL else "random:llama-3-8b")
@@ -62,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET_S", 510)),
                         help="seconds for everything; phases that would not fit are skipped")
     parser.add_argument("--start-timeout", type=float, default=240.0)
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="client processes per run (`bench serve --num-client-processes`): one saturates a core "
+                             "near 10k chunks/s, below what a small model is served at")
     parser.add_argument("--settings", nargs="+", default=None, metavar="NAME=FLAGS",
                         help='instead of the headline plan: one rate-inf run per server setting, e.g. '
                              '"seqs512=--max-num-seqs 512" (NAME=, nothing after it: default flags)')
@@ -189,7 +195,7 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
     path = os.path.join(tempfile.gettempdir(), f"served_{label}.json")
     command = [sys.executable, "-m", "lockstep.cli", "bench", "serve", "--base-url", server.url, "--num-prompts",
                str(num_prompts), "--seed", "0", "--request-rate", str(rate), "--vocab-size", str(vocab_size),
-               "--result-json", path]
+               "--result-json", path, "--num-client-processes", str(CLIENT_PROCESSES)]
     before, kernels_before = scrape(server.url), kernel_files(cache_dir)
     log(f"{label}: {num_prompts} requests at rate {rate} (timeout {timeout_s:.0f}s)")
     cpu_before = _children_cpu_s()
@@ -341,7 +347,11 @@ def table(results: dict) -> str:
 
 # ---- the session ---------------------------------------------------------------------------
 def main() -> int:
+    global CLIENT_PROCESSES
     args = parse_args()
+    if args.client_processes < 1:
+        raise SystemExit(f"--client-processes must be >= 1, got {args.client_processes}")
+    CLIENT_PROCESSES = args.client_processes
     out = os.environ.get("OUT") or os.path.join(REPO, ".bench")
     os.makedirs(out, exist_ok=True)
     started = time.monotonic()
