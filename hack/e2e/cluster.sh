@@ -253,11 +253,15 @@ netpol_up() {  # after the node is registered: the controller reads its Internal
   echo 1 > /proc/sys/net/bridge/bridge-nf-call-iptables
   spawn netpol "$bins/kube-router-netpol-$(cat "$here"/netpol/{go.mod,go.sum,main.go} | sha256sum | cut -c1-12)" --kubeconfig "$kubeconfig" --node "$node" \
     --service-cidr "$service_cidr" --v 1
-  # Ready once its jump into KUBE-ROUTER-FORWARD is the first rule of FORWARD (ahead of LOCKSTEP-E2E-FWD,
-  # which accepts bridge-to-bridge traffic).
+  # Ready once its jump into KUBE-ROUTER-FORWARD comes ahead of LOCKSTEP-E2E-FWD, which accepts
+  # bridge-to-bridge traffic. Not necessarily first: kube-proxy prepends its own jumps (KUBE-FORWARD,
+  # KUBE-SERVICES, ...: drops, rejects and established flows) whenever it finds them missing, so which of
+  # the two is first depends on which synced last (a loaded machine once had kube-proxy's on top).
   wait_until 60 "NetworkPolicy enforcer (kube-router $netpol_version)" \
-    bash -c 'iptables -S FORWARD 1 | grep -q -- "-j KUBE-ROUTER-FORWARD"' ||
-    { log "the NetworkPolicy enforcer is not running: $(tail -5 "$state/logs/netpol.log")"; return 1; }
+    bash -c 'iptables -S FORWARD | awk "/-j KUBE-ROUTER-FORWARD/ { r = NR } /-j LOCKSTEP-E2E-FWD/ { l = NR }
+                                        END { exit !(r && (!l || r < l)) }"' ||
+    { log "the NetworkPolicy enforcer is not running: $(tail -5 "$state/logs/netpol.log")"
+      log "FORWARD: $(iptables -S FORWARD | tr '\n' ';')"; return 1; }
 }
 
 netpol_sweep() {  # what the enforcer leaves if it was killed before its own cleanup: chains, jumps, ipsets
