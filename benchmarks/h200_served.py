@@ -136,6 +136,18 @@ class Server:
         self._log.close()
 
 
+# /metrics samples summed over their labels, by the key scrape() files them under
+_SUMMED = {
+    "lockstep_gpu_busy_seconds_total": "busy",
+    "lockstep_gpu_idle_seconds_total": "idle",
+    "lockstep_prefix_cache_hits_total": "prefix_hits",
+    "lockstep_prefix_cache_queries_total": "prefix_queries",
+    "lockstep_scheduler_window_steps_count": "windows",
+    "lockstep_scheduler_window_steps_sum": "steps",
+    "lockstep_scheduler_window_cuts_total": "cuts",
+}
+
+
 def scrape(url: str) -> dict:
     """The engine counters the runs are judged by, from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -145,20 +157,9 @@ def scrape(url: str) -> dict:
               "windows": 0.0, "steps": 0.0, "cuts": 0.0, "host": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "lockstep_gpu_busy_seconds_total":
-                values["busy"] += sample.value
-            elif sample.name == "lockstep_gpu_idle_seconds_total":
-                values["idle"] += sample.value
-            elif sample.name == "lockstep_prefix_cache_hits_total":
-                values["prefix_hits"] += sample.value
-            elif sample.name == "lockstep_prefix_cache_queries_total":
-                values["prefix_queries"] += sample.value
-            elif sample.name == "lockstep_scheduler_window_steps_count":
-                values["windows"] += sample.value
-            elif sample.name == "lockstep_scheduler_window_steps_sum":
-                values["steps"] += sample.value
-            elif sample.name == "lockstep_scheduler_window_cuts_total":
-                values["cuts"] += sample.value
+            key = _SUMMED.get(sample.name)
+            if key is not None:
+                values[key] += sample.value
             elif sample.name == "lockstep_host_phase_seconds_sum":  # the core's host work, per phase
                 phase = sample.labels.get("phase", "")
                 values["host"][phase] = values["host"].get(phase, 0.0) + sample.value
