@@ -207,7 +207,7 @@ class Scheduler:
     def _plan_row(self, seq: Sequence, budget: int, num_steps: int) -> ScheduledSeq | None:
         # Runs for every running row of every window: a decode row reads a few attributes and builds its row.
         # (`Sequence.compute_target` and `remaining_tokens` are folded in.)
-        computed, num_tokens = seq.num_computed, len(seq.token_ids)
+        computed, num_tokens = seq.num_computed, len(seq.token_ids) + seq.num_pending
         if not seq.request.forked:  # n > 1: the shared prompt, minus its last token, without sampling
             todo = seq.request.prompt_len - 1 - computed
             if todo <= 0 or budget <= 0 or todo > budget and not self.limits.enable_chunked_prefill:
@@ -221,6 +221,8 @@ class Scheduler:
         if todo > budget:  # a prefill chunk
             return ScheduledSeq(seq, budget, False, 0, computed, 0) if self.limits.enable_chunked_prefill else None
         remaining = seq.max_num_tokens - num_tokens
+        if remaining <= 0 and seq.num_pending:  # its pending token is its last: the window in flight ends it
+            return None
         steps = num_steps if remaining >= num_steps else max(remaining, 1)  # most rows: no min/max call
         return ScheduledSeq(seq, todo, True, steps, computed, remaining)
 
@@ -341,8 +343,10 @@ class Scheduler:
             # A row that sampled every step did not finish early: most rows look no further.
             if num_sampled < executed and row.samples and seq.is_finished:
                 wasted += executed - num_sampled
-            # Only a block the window filled enters the prefix cache: most decode windows fill none.
-            if caching and computed >= (seq.num_hashed_blocks + 1) * size and not seq.is_finished:
+            # Only a block the window filled enters the prefix cache: most decode windows fill none. A
+            # sequence that finished in this window registers too (its blocks are still held here and
+            # released after): a short request's prompt is computed in the window it ends in.
+            if caching and computed >= (seq.num_hashed_blocks + 1) * size:
                 blocks.register_computed_blocks(seq)
         return wasted
 

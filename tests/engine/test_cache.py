@@ -1,5 +1,7 @@
 """Prefix caching and preemption leave outputs unchanged."""
 
+import pytest
+
 from lockstep_engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -37,3 +39,20 @@ def test_chunked_prefill_gives_the_same_tokens(make_llm):
     whole = make_llm(num_scheduler_steps=8).generate(prompt, GREEDY)[0].outputs[0].token_ids
     chunked = make_llm(num_scheduler_steps=8, max_num_batched_tokens=64, max_num_seqs=4)
     assert chunked.generate(prompt, GREEDY)[0].outputs[0].token_ids == whole
+
+
+@pytest.mark.parametrize("num_steps", [1, 8])
+def test_a_request_that_ends_in_its_prompts_window_leaves_its_prompt_blocks_cached(make_llm, num_steps):
+    # 150 prompt tokens: 9 full blocks of 16 below the last token, which is always recomputed.
+    llm = make_llm(num_scheduler_steps=num_steps)
+    blocks = llm.engine.core.blocks
+    for max_tokens in (1, 4, 8):
+        prompt = {"prompt_token_ids": [3000 + max_tokens] + list(range(1000, 1149))}
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        [first] = llm.generate(prompt, params)
+        assert first.num_cached_tokens == 0
+        hits_before = blocks.prefix_cache_hits
+        [second] = llm.generate(prompt, params)
+        assert blocks.prefix_cache_hits - hits_before == 144, f"max_tokens={max_tokens}"
+        assert second.num_cached_tokens == 144
+        assert second.outputs[0].token_ids == first.outputs[0].token_ids

@@ -305,8 +305,8 @@ def test_complete_rows_advances_every_row_registers_filled_blocks_and_counts_was
     full.seq.token_ids += [7] * 8
     assert scheduler.complete_rows(plan.rows, [2, 8, 0], 8) == 6  # early's 6 steps after its stop
     assert (early.seq.num_computed, full.seq.num_computed, chunk.seq.num_computed) == (5, 11, 8)
-    # full blocks of the running rows enter the prefix cache; the finished row's do not
-    assert (early.seq.num_hashed_blocks, full.seq.num_hashed_blocks, chunk.seq.num_hashed_blocks) == (0, 2, 2)
+    # every row's full computed blocks enter the prefix cache, the finished row's too
+    assert (early.seq.num_hashed_blocks, full.seq.num_hashed_blocks, chunk.seq.num_hashed_blocks) == (1, 2, 2)
 
 
 def test_auto_shrinks_with_waiting_requests_and_grows_in_steady_decode():
