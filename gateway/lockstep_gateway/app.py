@@ -30,14 +30,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from lockstep_gateway import __version__
-from lockstep_gateway.auth import KeyChecker, load_keys
+from lockstep_gateway.auth import KeyChecker, key_id, load_keys
 from lockstep_gateway.backends import Registry
 from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.discovery import KubeAPI, KubernetesDiscovery, watch_config_file
 from lockstep_gateway.errors import GatewayError, error_response
 from lockstep_gateway.metrics import CONTENT_TYPE, GatewayMetrics, engine_id
-from lockstep_gateway.flow_control import disconnect_watcher, request_priority
-from lockstep_gateway.health import health_response
+from lockstep_gateway.flow_control import PriorityTrust, disconnect_watcher, request_priority
+from lockstep_gateway.health import health_response, ready_response
 from lockstep_gateway.proxy import ClientShards, Job, Proxy, Relayed
 from lockstep_gateway.ratelimit import ClientAddress, RateLimiter, estimate_tokens
 from lockstep_gateway.routing import prefix_hashes, session_key
@@ -81,7 +81,9 @@ class Gateway:
     def __init__(self, config: GatewayConfig, rng: random.Random | None = None):
         self.config = config
         self.metrics = GatewayMetrics()
-        self.keys = KeyChecker(load_keys(config.api_key_files, config.api_keys))
+        priority_keys = load_keys(config.priority_api_key_files, environ={})
+        self.keys = KeyChecker(load_keys(config.api_key_files, config.api_keys) + priority_keys)
+        self.priority_trust = PriorityTrust(map(key_id, priority_keys), config.priority_trusted_proxies)
         self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
         self.client_address = ClientAddress(config.trusted_proxies)
         timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=UPSTREAM_WRITE_TIMEOUT_S, pool=None)
@@ -184,7 +186,8 @@ class Gateway:
         body = await self._read_body(request)
         payload = parse_json_object(body)
         model = self._model(payload)
-        priority, sheddable = request_priority(request.headers, payload)
+        peer = request.client.host if request.client else None
+        priority, sheddable = request_priority(request.headers, payload, self.priority_trust.trusts(rate_key, peer))
         estimate = estimate_tokens(payload, self.registry.max_model_len(model)) if route in GENERATION_ROUTES else 0
         if self.limiter.enabled:
             refused = self.limiter.admit(rate_key, estimate)
@@ -414,6 +417,10 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
     @app.post("/ping")
     async def health() -> JSONResponse:
         return health_response(gateway.registry)
+
+    @app.get("/ready")  # the readiness probe (/health, the liveness probe, answers 200 with no engine)
+    async def ready() -> JSONResponse:
+        return ready_response(gateway.registry)
 
     @app.get("/gateway/engines")
     async def engines(request: Request) -> Response:

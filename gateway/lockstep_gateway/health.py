@@ -17,6 +17,17 @@ def health_response(registry: Registry) -> JSONResponse:
     return JSONResponse({"status": "ok", "engines": len(backends), "healthy_engines": len(healthy), "models": models})
 
 
+def ready_response(registry: Registry) -> JSONResponse:
+    """/ready, the readiness probe: 200 once the gateway can serve some model, 503 before. It can when an
+    engine is healthy, or when discovery declared a model with no engine up (a service at zero groups: its
+    requests wait in the queue while it scales up, so a gateway that refused them would keep it at zero)."""
+    healthy = registry.healthy()
+    declared = set().union(*registry.declared_models.values())
+    ready = bool(healthy) or bool(declared)
+    body = {"status": "ready" if ready else "no engine", "healthy_engines": len(healthy), "declared_models": sorted(declared)}
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
 def probe_answer(registry: Registry) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """/health's status, headers and body for the health listener (lockstep_common/health_server.py publishes it
     every 50 ms)."""
