@@ -44,6 +44,7 @@ from lockstep_operator.constants import (
     MODEL_TOKEN_DIR,
     MODELS_DIR,
     RENDEZVOUS_PORT,
+    TMP_SIZE_LIMIT,
 )
 from lockstep_operator.fetcher import FETCHER
 from lockstep_operator.launcher import LAUNCHER
@@ -150,7 +151,14 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--max-num-seqs", str(spec.max_num_seqs)]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]
+    # The engine drains on SIGTERM (new requests get a retryable 503, running ones finish) for this
+    # long, then aborts what is left; the rest of the pod's grace period is for the abort and the exit.
+    args += ["--shutdown-grace-period", str(drain_seconds(spec))]
     return args + list(spec.extra_args)
+
+
+def drain_seconds(spec: ServiceSpec) -> int:
+    return max(spec.termination_grace_seconds - 10, spec.termination_grace_seconds // 2)
 
 
 def leader_address(spec: ServiceSpec, namespace: str, index: int, config: OperatorConfig) -> str:
@@ -249,7 +257,7 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec)}},
         {"name": "launcher", "configMap": {"name": configmap_name(spec.name), "defaultMode": 0o444}},
         {"name": "cache", "emptyDir": {}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
         {
             "name": "group-secret",
             "secret": {"secretName": group_secret_name(spec.name), "defaultMode": 0o440},
@@ -390,7 +398,7 @@ def _pod_template(spec: ServiceSpec, namespace: str, index: int, config: Operato
         "enableServiceLinks": False,
         # Engines never call the Kubernetes API (a template.serviceAccountName still applies).
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": spec.termination_grace_seconds,
     }
     if spec.fetched:
         pod_spec["initContainers"] = [fetch_container(spec)]
@@ -448,6 +456,27 @@ def group_statefulset(
                 "updateStrategy": {"type": "OnDelete"},
                 "selector": {"matchLabels": group_selector(spec.name, index)},
                 "template": pod_template(spec, namespace, index, config),
+            },
+        }
+    )
+
+
+def disruption_budget(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
+    """One budget over every engine pod of the service. An eviction stops a whole group (the operator
+    restarts a group that lost a pod), and while a group is down its pods count as unavailable, so
+    maxUnavailable pods means at most that many groups out at once (fewer when groups span several
+    pods). A budget per group could not say this: each would let its own group go, all at once.
+    Pods that are not ready anyway (a crash-looping group) never hold a drain up."""
+    assert spec.max_disrupted is not None
+    return _stamp(
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _metadata(owner, spec.name, common_labels(spec.name)),
+            "spec": {
+                "maxUnavailable": spec.max_disrupted,
+                "selector": {"matchLabels": {LABEL_SERVICE: spec.name}},
+                "unhealthyPodEvictionPolicy": "AlwaysAllow",
             },
         }
     )
@@ -593,4 +622,6 @@ def service_objects(
     objects = [engine_configmap(owner, spec), leader_service(owner, spec)]
     if config.network_policy:
         objects.append(engine_http_policy(owner, spec, config))
+    if spec.max_disrupted is not None:
+        objects.append(disruption_budget(owner, spec))
     return objects

@@ -50,6 +50,8 @@ FETCHED_MODELS_DIR = f"{MODELS_DIR}/fetched"
 # The one writable place besides /tmp and /dev/shm (the root filesystem is read-only): HOME and
 # every cache (Lockstep's, Hugging Face, Triton, TorchInductor) point inside it.
 CACHE_DIR = "/var/cache/lockstep"
+# The engine's /tmp (an emptyDir): a bound, so a runaway writer gets its pod evicted, not the node's disk filled.
+TMP_SIZE_LIMIT = "1Gi"
 GROUP_SECRET_DIR = "/var/run/lockstep/group"
 GROUP_SECRET_KEY = "secret"
 MODEL_TOKEN_DIR = "/var/run/lockstep/model-token"

@@ -34,6 +34,7 @@ class Kube:
         self.apps = client.AppsV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
         self.networking = client.NetworkingV1Api(self.api_client)
+        self.policy = client.PolicyV1Api(self.api_client)
 
     def _to_dict(self, obj: Any) -> dict[str, Any]:
         return self.api_client.sanitize_for_serialization(obj)
@@ -90,6 +91,9 @@ class Kube:
             networkpolicies=owned(
                 self.networking.list_namespaced_network_policy(namespace, label_selector=selector).items
             ),
+            disruptionbudgets=owned(
+                self.policy.list_namespaced_pod_disruption_budget(namespace, label_selector=selector).items
+            ),
             pods=pods,
             events=[
                 self._to_dict(e)
@@ -116,6 +120,7 @@ class Kube:
             "Service": self.core.patch_namespaced_service,
             "ConfigMap": self.core.patch_namespaced_config_map,
             "NetworkPolicy": self.networking.patch_namespaced_network_policy,
+            "PodDisruptionBudget": self.policy.patch_namespaced_pod_disruption_budget,
         }[kind]
         result = patch(name, namespace, obj, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
         if kind == "StatefulSet":
@@ -127,6 +132,7 @@ class Kube:
             "StatefulSet": self.apps.delete_namespaced_stateful_set,
             "Service": self.core.delete_namespaced_service,
             "NetworkPolicy": self.networking.delete_namespaced_network_policy,
+            "PodDisruptionBudget": self.policy.delete_namespaced_pod_disruption_budget,
         }[kind]
         try:
             remove(name, namespace, propagation_policy="Background")

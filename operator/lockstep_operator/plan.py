@@ -61,6 +61,7 @@ class Observed:
     services: Sequence[Mapping[str, Any]] = ()
     configmaps: Sequence[Mapping[str, Any]] = ()
     networkpolicies: Sequence[Mapping[str, Any]] = ()
+    disruptionbudgets: Sequence[Mapping[str, Any]] = ()
     pods: Sequence[Mapping[str, Any]] = ()
     # Warning events of reason FailedCreate on its StatefulSets: why the controller made no pod.
     events: Sequence[Mapping[str, Any]] = ()
@@ -159,9 +160,12 @@ def _apply_service_objects(plan: Plan, ctx: _Context, observed: Observed) -> Non
     """The ConfigMap, the leader Service, the HTTP NetworkPolicy; the group Secret if absent."""
     plan.create.append(builders.group_secret(ctx.owner, ctx.spec))
     configmaps = {name_of(c): c for c in observed.configmaps}
-    pools = {"ConfigMap": configmaps, "Service": ctx.services, "NetworkPolicy": ctx.policies}
+    budgets = {name_of(b): b for b in observed.disruptionbudgets}
+    pools = {"ConfigMap": configmaps, "Service": ctx.services, "NetworkPolicy": ctx.policies, "PodDisruptionBudget": budgets}
     for obj in builders.service_objects(ctx.owner, ctx.spec, ctx.config):
         _apply_if_changed(plan, obj, pools[obj["kind"]].get(name_of(obj)))
+    if ctx.spec.max_disrupted is None:
+        plan.delete += [("PodDisruptionBudget", name) for name in budgets]
 
 
 def _delete_unwanted(plan: Plan, ctx: _Context, keep: int) -> None:
@@ -170,7 +174,10 @@ def _delete_unwanted(plan: Plan, ctx: _Context, keep: int) -> None:
     Services and NetworkPolicies; and every NetworkPolicy once policies are turned off."""
     for index in sorted(ctx.statefulsets, reverse=True):
         if index >= keep:
-            plan.delete.append(("StatefulSet", name_of(ctx.statefulsets[index])))
+            sts = ctx.statefulsets[index]
+            plan.delete.append(("StatefulSet", name_of(sts)))
+            why = "the rolling update is done" if _is_surge(sts) else f"spec.replicas is {ctx.spec.replicas}"
+            plan.events.append(("Normal", "GroupDelete", f"removing group {index}: {why}"))
     for name, svc in ctx.services.items():
         index = group_index(svc)
         if index is not None and index >= keep:
@@ -314,6 +321,9 @@ def _reconcile_group(
     if group.statefulset is None:
         plan.apply.append(builders.group_statefulset(owner, spec, group.index, ctx.config, group.surge))
         group.state = "Creating"
+        what = "an extra group of the rolling update" if group.surge else f"spec.replicas is {spec.replicas}"
+        plan.events.append(("Normal", "GroupCreate", f"creating group {group.index} ({spec.pods_per_group} "
+                            f"pod{'s' if spec.pods_per_group > 1 else ''}, revision {ctx.target}): {what}"))  # fmt: skip
         return
     _group_view(group, spec, ctx.target)
     if _restart_if_member_lost(plan, group, ctx, now):

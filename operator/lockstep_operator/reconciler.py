@@ -45,14 +45,25 @@ def _api_message(error: ApiException) -> str:
         return str(error.body)[:500]
 
 
-def scrape(url: str, timeout: float = 2.0) -> str:
-    """A /metrics page, or "" when it cannot be read (a pod going away counts as no demand)."""
+def scrape(url: str, timeout: float = 2.0, failing: set[str] | None = None) -> str:
+    """A /metrics page, or "" when it cannot be read (a pod going away counts as no demand). With
+    `failing` (the URLs that failed last time), a failure is a warning, once until the URL answers again."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.read().decode("utf-8", "replace")
+            text = response.read().decode("utf-8", "replace")
     except (OSError, ValueError) as error:
-        log.debug("could not read %s: %s", url, error)
+        if failing is None:
+            log.debug("could not read %s: %s", url, error)
+        elif url not in failing:
+            failing.add(url)
+            log.warning("cannot read the gateway's queue depth from %s (%s): requests queued there do not count "
+                        "for autoscaling, so a service at zero groups is not started (a NetworkPolicy in the way?)",
+                        url, error)  # fmt: skip
         return ""
+    if failing is not None and url in failing:
+        failing.discard(url)
+        log.info("reading the gateway's queue depth from %s again", url)
+    return text
 
 
 def utc_now() -> str:
@@ -117,6 +128,7 @@ class Reconciler:
         self.queue = Coalescer(self._reconcile_key)
         self._timers: dict[tuple[str, str], threading.Timer] = {}
         self._timers_lock = threading.Lock()
+        self._failing_gateways: set[str] = set()  # gateway /metrics URLs whose last read failed
 
     def request(self, namespace: str, name: str) -> None:
         self.queue.request((namespace, name))
@@ -218,7 +230,7 @@ class Reconciler:
                 log.warning("cannot list the gateway pods for autoscaling: %s %s", error.status, error.reason)
                 gateways = []
             for ip in gateways:
-                text = scrape(f"http://{ip}:{self.config.gateway_metrics_port}/metrics")
+                text = scrape(f"http://{ip}:{self.config.gateway_metrics_port}/metrics", failing=self._failing_gateways)
                 queued += gauge_sum(text, "lockstep_gateway_queue_depth", {"model": served_name})
         return Demand(waiting=waiting, running=running, queued=queued)
 

@@ -36,6 +36,14 @@ _ENDPOINT_RE = re.compile(r"^https?://[^/\s]+(/\S*)?$")
 _SECRET_NAME_RE = re.compile(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
 MAX_NAME_LENGTH = 40
 MAX_RANKS_PER_GROUP = 256
+# A Kubernetes resource.Quantity as the API server parses it: a decimal number and an optional suffix.
+_QUANTITY_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+|[numkMGTPE]|[KMGTPE]i)?$")
+_SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+# Engine containers that set no spec.engine.resources get these requests (no limits): a pod without
+# requests is BestEffort, the first one evicted or OOM-killed under node pressure.
+DEFAULT_ENGINE_REQUESTS = {"cpu": "1", "memory": "4Gi"}
+DEFAULT_TERMINATION_GRACE_SECONDS = 60
 
 
 class SpecError(ValueError):
@@ -86,6 +94,11 @@ class ServiceSpec:
     max_unavailable: int = 0
     # spec.autoscaling: the operator sets spec.replicas (through the scale subresource) from demand.
     autoscaling: Autoscaling | None = None
+    # How long an engine pod may take to stop (drain its requests) once asked to, e.g. by a node drain.
+    termination_grace_seconds: int = DEFAULT_TERMINATION_GRACE_SECONDS
+    # spec.disruptionBudget.maxUnavailable: engine pods a voluntary disruption (an eviction) may take at
+    # once; every eviction stops one whole group, so at most this many groups; None: no budget.
+    max_disrupted: int | None = 1
 
     @property
     def world_size(self) -> int:
@@ -212,6 +225,56 @@ def _check_env(raw: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(raw)
 
 
+def quantity_value(value: Any) -> float | None:
+    """A resource quantity's value (2Gi -> 2147483648.0, 500m -> 0.5), or None when it is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = _QUANTITY_RE.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    number, suffix = match.group(1), match.group(2) or ""
+    if suffix[:1] in ("e", "E"):
+        return float(number + suffix)
+    sign = -1.0 if value.startswith("-") else 1.0
+    return sign * float(number) * _SUFFIX[suffix]
+
+
+def _check_quantity(value: Any, field: str) -> Any:
+    amount = quantity_value(value)
+    if amount is None or amount < 0:
+        raise SpecError(field, f"must be a non-negative quantity such as 500m, 2 or 4Gi, got {value!r}")
+    return value
+
+
+def _check_resources(raw: Any) -> dict[str, Any]:
+    """spec.engine.resources: every amount a quantity, no request above its limit; requests by default."""
+    if raw is None or raw == {}:
+        return {"requests": dict(DEFAULT_ENGINE_REQUESTS)}
+    if not isinstance(raw, Mapping):
+        raise SpecError("spec.engine.resources", f"must be an object with limits and requests, got {raw!r}")
+    result: dict[str, Any] = {}
+    for kind in ("limits", "requests"):
+        amounts = raw.get(kind)
+        if amounts is None:
+            continue
+        if not isinstance(amounts, Mapping):
+            raise SpecError(f"spec.engine.resources.{kind}", f"must map resource names to quantities, got {amounts!r}")
+        result[kind] = {name: _check_quantity(value, f"spec.engine.resources.{kind}.{name}") for name, value in amounts.items()}
+    for name, request in (result.get("requests") or {}).items():
+        limit = (result.get("limits") or {}).get(name)
+        if limit is not None and quantity_value(request) > quantity_value(limit):  # type: ignore[operator]
+            raise SpecError(f"spec.engine.resources.requests.{name}", f"({request}) must not exceed its limit ({limit})")
+    return result
+
+
+def _check_disruption_budget(raw: Mapping[str, Any]) -> int | None:
+    if raw.get("enabled", True) is False:
+        return None
+    return _int(raw, "maxUnavailable", "spec.disruptionBudget.maxUnavailable", 1, 0, 1024)
+
+
 _PERCENT_RE = re.compile(r"^(?P<value>\d{1,3})%$")
 
 
@@ -301,6 +364,11 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
     assert replicas is not None and startup_timeout is not None
     max_surge, max_unavailable = _check_rollout(_section(raw, "rollout"), replicas)
     shm_size = engine.get("shmSize")
+    if shm_size is not None:
+        _check_quantity(shm_size, "spec.engine.shmSize")
+    grace = _int(engine, "terminationGracePeriodSeconds", "spec.engine.terminationGracePeriodSeconds",
+                 DEFAULT_TERMINATION_GRACE_SECONDS, 10, 86400)  # fmt: skip
+    assert grace is not None
     source = _check_source(model.get("source"))
     endpoint = model.get("endpoint")
     if endpoint is not None and not _ENDPOINT_RE.match(str(endpoint)):
@@ -326,7 +394,7 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
         max_model_len=_int(engine, "maxModelLen", "spec.engine.maxModelLen", None, 16, 1048576),
         extra_args=_check_extra_args(engine.get("extraArgs")),
         shm_size=None if shm_size is None else str(shm_size),
-        resources=dict(engine.get("resources") or {}),
+        resources=_check_resources(engine.get("resources")),
         env=_check_env(engine.get("env")),
         template=dict(raw.get("template") or {}),
         startup_timeout_seconds=startup_timeout,
@@ -338,4 +406,6 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
         max_surge=max_surge,
         max_unavailable=max_unavailable,
         autoscaling=_check_autoscaling(raw.get("autoscaling")),
+        termination_grace_seconds=grace,
+        max_disrupted=_check_disruption_budget(_section(raw, "disruptionBudget")),
     )

@@ -65,7 +65,7 @@ def test_engine_args_carry_steps_and_parallelism():
     assert args == [
         "random:llama-3-8b", "--port", "8000", "--served-model-name", "llama",
         "--num-scheduler-steps", "16", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
-        "--max-num-seqs", "128", "--max-model-len", "4096", "--dtype", "bfloat16",
+        "--max-num-seqs", "128", "--max-model-len", "4096", "--shutdown-grace-period", "50", "--dtype", "bfloat16",
     ]  # fmt: skip
 
 
@@ -93,7 +93,7 @@ def test_dev_shm_is_a_memory_volume_sized_per_rank():
 def test_gpus_per_pod_becomes_a_gpu_limit_unless_set():
     assert container(
         builders.group_statefulset(OWNER, spec_of(parallelism={"tensor": 2, "gpusPerPod": 2}), 0, CONFIG)
-    )["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+    )["resources"] == {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"nvidia.com/gpu": 2}}
     cpu = spec_of(parallelism={"gpusPerPod": 0}, engine={"resources": {"requests": {"cpu": "2"}}})
     assert container(builders.group_statefulset(OWNER, cpu, 0, CONFIG))["resources"] == {
         "requests": {"cpu": "2"}
@@ -251,7 +251,7 @@ def test_every_cache_and_home_is_in_a_writable_volume():
     assert not mounts["/tmp"].get("readOnly")
     volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
     assert volumes["cache"] == {"name": "cache", "emptyDir": {}}
-    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
 
 
 def test_every_pod_gets_the_group_secret_as_a_file():
@@ -300,7 +300,8 @@ def test_group_ports_are_open_to_the_same_group_only():
 
 def test_network_policies_can_be_turned_off():
     config = OperatorConfig(engine_image=CONFIG.engine_image, network_policy=False)
-    assert [o["kind"] for o in builders.service_objects(OWNER, spec_of(), config)] == ["ConfigMap", "Service"]
+    assert [o["kind"] for o in builders.service_objects(OWNER, spec_of(), config)] == [
+        "ConfigMap", "Service", "PodDisruptionBudget"]  # fmt: skip
 
 
 def test_tp4_pp2_with_four_gpus_per_pod_is_two_pods_of_four_ranks():
@@ -315,7 +316,7 @@ def test_tp4_pp2_with_four_gpus_per_pod_is_two_pods_of_four_ranks():
     env = env_of(sts)
     assert sts["spec"]["replicas"] == 2
     assert (env["LOCKSTEP_WORLD_SIZE"], env["LOCKSTEP_RANKS_PER_POD"]) == ("8", "4")
-    assert engine["resources"] == {"limits": {"nvidia.com/gpu": 4}}
+    assert engine["resources"] == {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"nvidia.com/gpu": 4}}
     assert pod_spec(sts)["runtimeClassName"] == "nvidia"
     volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
@@ -380,3 +381,28 @@ def test_user_env_overrides_a_cache_variable_without_a_duplicate():
     names = [e["name"] for e in container(sts)["env"]]
     assert names.count("HF_HOME") == 1
     assert env_of(sts)["HF_HOME"] == "/cache"
+
+
+def test_engine_pods_without_resources_get_default_requests_and_no_limits():
+    engine = container(builders.group_statefulset(OWNER, spec_of(parallelism={"gpusPerPod": 0}), 0, CONFIG))
+    assert engine["resources"] == {"requests": {"cpu": "1", "memory": "4Gi"}}
+
+
+def test_the_termination_grace_period_is_the_pods_and_the_engine_drains_within_it():
+    sts = builders.group_statefulset(OWNER, spec_of(engine={"terminationGracePeriodSeconds": 600}), 0, CONFIG)
+    assert pod_spec(sts)["terminationGracePeriodSeconds"] == 600
+    args = container(sts)["args"]
+    assert args[args.index("--shutdown-grace-period") + 1] == "590"
+    assert pod_spec(builders.group_statefulset(OWNER, spec_of(), 0, CONFIG))["terminationGracePeriodSeconds"] == 60
+
+
+def test_one_disruption_budget_covers_every_engine_pod_of_the_service():
+    budget = builders.disruption_budget(OWNER, spec_of(parallelism={"tensor": 2, "gpusPerPod": 1}))
+    assert budget["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {"serving.lockstep.dev/service": "llama"}},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+    }
+    assert budget["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
+    off = spec_of(disruptionBudget={"enabled": False})
+    assert "PodDisruptionBudget" not in [o["kind"] for o in builders.service_objects(OWNER, off, CONFIG)]

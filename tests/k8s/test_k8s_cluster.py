@@ -641,6 +641,8 @@ def test_the_default_namespaced_role_grants_the_operator_exactly_its_calls(relea
         ("patch", "services"), ("patch", "configmaps"), ("patch", "networkpolicies.networking.k8s.io"),
         ("delete", "networkpolicies.networking.k8s.io"), ("list", "pods"), ("delete", "pods"),
         ("create", "secrets"), ("list", "events"), ("create", "events"),
+        ("list", "poddisruptionbudgets.policy"), ("patch", "poddisruptionbudgets.policy"),
+        ("delete", "poddisruptionbudgets.policy"),
     ]  # fmt: skip
     assert [call for call in calls if not can(*call)] == []
     assert not can("get", "secrets") and not can("list", "secrets")  # the operator reads no Secret

@@ -37,7 +37,7 @@ class World:
         self.events: list[dict] = []
 
     def observed(self) -> Observed:
-        kinds = {"StatefulSet": [], "Service": [], "ConfigMap": [], "NetworkPolicy": [], "Secret": []}
+        kinds = {"StatefulSet": [], "Service": [], "ConfigMap": [], "NetworkPolicy": [], "Secret": [], "PodDisruptionBudget": []}
         for (kind, _), obj in sorted(self.objects.items()):
             kinds[kind].append(copy.deepcopy(obj))
         return Observed(
@@ -45,6 +45,7 @@ class World:
             services=kinds["Service"],
             configmaps=kinds["ConfigMap"],
             networkpolicies=kinds["NetworkPolicy"],
+            disruptionbudgets=kinds["PodDisruptionBudget"],
             pods=[copy.deepcopy(p) for p in self.pods.values()],
             events=copy.deepcopy(self.events),
         )
@@ -148,10 +149,13 @@ def test_a_new_service_gets_its_objects_and_starts_unready():
     plan = world.plan()
     assert [(o["kind"], o["metadata"]["name"]) for o in plan.apply] == [
         ("ConfigMap", "llama-engine"), ("Service", "llama"), ("NetworkPolicy", "llama"),
+        ("PodDisruptionBudget", "llama"),
         ("Service", "llama-g0"), ("NetworkPolicy", "llama-g0"), ("StatefulSet", "llama-g0"),
         ("Service", "llama-g1"), ("NetworkPolicy", "llama-g1"), ("StatefulSet", "llama-g1"),
     ]  # fmt: skip
     assert [(o["kind"], o["metadata"]["name"]) for o in plan.create] == [("Secret", "llama-group-secret")]
+    assert [(t, r) for t, r, _ in plan.events] == [("Normal", "GroupCreate")] * 2
+    assert plan.events[1][2].startswith("creating group 1 (2 pods, revision ")
     assert plan.status["podsPerGroup"] == 2
     assert plan.status["conditions"][0]["status"] == "False"
     world.settle()

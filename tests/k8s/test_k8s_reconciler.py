@@ -56,6 +56,7 @@ class FakeKube:
         self.owner = owner
         self.error = error
         self.statuses: list[dict] = []
+        self.events: list = []
 
     def get_service(self, namespace, name):
         return self.owner
@@ -70,6 +71,13 @@ class FakeKube:
 
     def patch_status(self, namespace, name, status):
         self.statuses.append(status)
+
+    @property
+    def core(self):
+        return self
+
+    def create_namespaced_event(self, namespace, event):
+        self.events.append(event)
 
 
 OWNER = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k8s_harness import crd_schema
-from lockstep_operator.spec import OWNED_FLAGS, SpecError, parse_spec
+from lockstep_operator.spec import OWNED_FLAGS, SpecError, parse_spec, quantity_value
 
 IMAGE = "registry.example/lockstep:9.9.9"
 
@@ -86,6 +86,16 @@ def test_adaptive_decode_passes_auto():
         ({"model": {"source": "hf://o/m", "tokenSecret": {"key": "t"}}}, "spec.model.tokenSecret", "naming a Secret"),
         ({"model": {"source": "hf://o/m", "cache": {"claimName": "Bad_Claim"}}}, "spec.model.cache.claimName", "DNS label"),
         ({"engine": {"apiKeySecret": "key"}}, "spec.engine.apiKeySecret", "naming a Secret"),
+        ({"engine": {"shmSize": "lots"}}, "spec.engine.shmSize", "quantity such as 500m, 2 or 4Gi, got 'lots'"),
+        ({"engine": {"resources": {"requests": {"cpu": "two"}}}}, "spec.engine.resources.requests.cpu", "got 'two'"),
+        ({"engine": {"resources": {"limits": {"memory": "-1Gi"}}}}, "spec.engine.resources.limits.memory", "non-negative"),
+        (
+            {"engine": {"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}}},
+            "spec.engine.resources.requests.memory",
+            "(8Gi) must not exceed its limit (4Gi)",
+        ),
+        ({"engine": {"terminationGracePeriodSeconds": 5}}, "spec.engine.terminationGracePeriodSeconds", "10..86400"),
+        ({"disruptionBudget": {"maxUnavailable": -1}}, "spec.disruptionBudget.maxUnavailable", "0..1024"),
     ],
 )
 def test_invalid_specs_name_field_and_allowed_values(spec, field, words):
@@ -93,6 +103,11 @@ def test_invalid_specs_name_field_and_allowed_values(spec, field, words):
         parse({"model": {"source": "smollm2"}, **spec} if "model" not in spec else spec)
     assert caught.value.field == field
     assert words in str(caught.value)
+
+
+def test_quantities_parse_as_the_api_server_reads_them():
+    assert [quantity_value(q) for q in ("2Gi", "500m", "1.5", "1e3", 4, "512M")] == [2**31, 0.5, 1.5, 1000.0, 4.0, 5.12e8]
+    assert quantity_value("two") is None and quantity_value("2 Gi") is None
 
 
 def test_model_source_is_required_and_pvc_urls_are_checked():

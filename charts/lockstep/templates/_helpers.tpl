@@ -111,6 +111,10 @@ true
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
+# One PodDisruptionBudget per LLMService over its engine pods (spec.disruptionBudget).
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [list, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, delete]
