@@ -37,15 +37,40 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 OPENAI_ROUTES_NOT_SERVED = (
     "/v1/embeddings", "/v1/audio", "/v1/images", "/v1/moderations", "/v1/files", "/v1/uploads", "/v1/batches",
     "/v1/fine_tuning", "/v1/vector_stores", "/v1/assistants", "/v1/threads", "/v1/realtime", "/v1/conversations",
-    "/v1/evals", "/v1/containers", "/v1/videos", "/v1/score", "/v1/rerank", "/pooling", "/classify", "/score",
-    "/rerank",
+    "/v1/evals", "/v1/containers", "/v1/videos",
 )
-SERVED_SUMMARY = ("this server serves text generation (/v1/completions, /v1/chat/completions, /v1/responses), /v1/models, "
-                  "/tokenize and /detokenize")
+_POOLING = "pooling models (embeddings, classification, scoring, reranking) are not served"
+_DEV = "vLLM's development and cluster-control routes are not served"
+# Routes vLLM's server has that this one does not, and why: a client moving from vLLM hears which and why.
+VLLM_ROUTES_NOT_SERVED = {
+    "/v1/load_lora_adapter": "LoRA adapters are not implemented",
+    "/v1/unload_lora_adapter": "LoRA adapters are not implemented",
+    "/sleep": "there is no sleep mode (weights stay loaded)",
+    "/wake_up": "there is no sleep mode (weights stay loaded)",
+    "/is_sleeping": "there is no sleep mode (weights stay loaded)",
+    "/invocations": "SageMaker's /invocations is not served; post to /v1/chat/completions or /v1/completions",
+    "/v2/embed": _POOLING, "/pooling": _POOLING, "/classify": _POOLING, "/v1/classify": _POOLING,
+    "/score": _POOLING, "/v1/score": _POOLING, "/rerank": _POOLING, "/v1/rerank": _POOLING, "/v2/rerank": _POOLING,
+    "/v1/audio/transcriptions": "speech-to-text models are not served",
+    "/v1/audio/translations": "speech-to-text models are not served",
+    "/v1/chat/completions/batch": "send the conversations as separate /v1/chat/completions requests",
+    "/load": "an engine's load is in /metrics (vllm:num_requests_running, vllm:num_requests_waiting)",
+    "/tokenizer_info": "the tokenizer's configuration is not published", "/get_tokenizer_info": "the tokenizer's "
+    "configuration is not published",
+    "/start_profile": "there is no profiler route", "/stop_profile": "there is no profiler route",
+    "/reset_prefix_cache": _DEV, "/reset_mm_cache": _DEV, "/collective_rpc": _DEV, "/server_info": _DEV,
+    "/scale_elastic_ep": _DEV, "/is_scaling_elastic_ep": _DEV, "/pause": _DEV, "/resume": _DEV, "/is_paused": _DEV,
+    "/update_weights": _DEV, "/init_weight_transfer": _DEV,
+}
+SERVED_SUMMARY = ("this server serves text generation (/v1/completions, /v1/chat/completions, /v1/responses, "
+                  "/v1/messages), /v1/models, /tokenize and /detokenize")
 
 
 def route_not_found(method: str, path: str) -> str:
     """The 404 message for a path no route matches."""
+    why = VLLM_ROUTES_NOT_SERVED.get(path.rstrip("/") or "/")
+    if why is not None:
+        return f"{method} {path}: this server does not serve {path} (a vLLM route): {why}; {SERVED_SUMMARY}"
     if any(path == route or path.startswith(route + "/") for route in OPENAI_ROUTES_NOT_SERVED):
         return f"{method} {path}: this OpenAI API route is not implemented here; {SERVED_SUMMARY}"
     return f"Invalid URL ({method} {path}): {SERVED_SUMMARY}"

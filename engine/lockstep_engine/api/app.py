@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from lockstep_common.anthropic_errors import AnthropicRoutes
 from lockstep_common.health_listener import request_id as listener_request_id
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 import lockstep
-from lockstep_engine.api import metrics, responses
+from lockstep_engine.api import anthropic, metrics, responses
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
 from lockstep_engine.api.errors import (
     REQUEST_FAULT,
@@ -53,7 +54,7 @@ from lockstep_engine.config import EngineConfig
 from lockstep_engine.log import log
 from lockstep_engine.model_config import ModelConfig
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
@@ -70,6 +71,8 @@ class ServerSettings:
     body_read_timeout_s: float = 60.0  # a request body must arrive within this, else 408
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" is allowed
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> text apart from the answer (api/reasoning.py)
+    gpu_memory_utilization: float | None = None  # when given: on the CPU it is ignored, and the log says so
     defaults: ServerDefaults = field(default_factory=ServerDefaults)  # chat template, role, sampling defaults
 
 
@@ -115,9 +118,13 @@ class ServerState:
         self.serving = OpenAIServing(client, config, model_config, ready.tokenizer,
                                      self.settings.served_model_names, self.settings.request_idle_timeout_s)
         self.serving.tool_call_parser = self.settings.tool_call_parser
+        self.serving.reasoning_parser = self.settings.reasoning_parser
         self.serving.defaults = self.settings.defaults
         self.serving.trust_request_chat_template = self.settings.trust_request_chat_template
         self.collector = metrics.register_engine(client, self.settings.served_model_names[0])
+        if ready.device == "cpu" and self.settings.gpu_memory_utilization is not None:
+            log(f"warning: --gpu-memory-utilization {self.settings.gpu_memory_utilization} is ignored on the CPU: "
+                f"the KV cache there is --kv-cache-memory-bytes (default 2 GiB)")
         log(f"engine core ready (pid {ready.pid}, {ready.num_blocks} KV blocks of {ready.block_size}, "
             f"num_scheduler_steps={ready.num_scheduler_steps}, max_model_len={ready.max_model_len})")
 
@@ -385,6 +392,7 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
                   description="OpenAI-compatible API of a Lockstep engine (vLLM-compatible parameters).")
     app.state.server = state
     app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(AnthropicRoutes)  # outside the guard: its key header and its errors on /v1/messages
 
     def error(request: Request, status: int, message: str, param=None, headers=None):
         if status >= 500:  # the id finds the server log's lines about it
@@ -459,6 +467,7 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
         return await state.require_serving().create_chat_completion(body, request)
 
     responses.register(app, state, _ERROR_RESPONSES)
+    anthropic.register(app, state, _ERROR_RESPONSES)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from lockstep.protocol import TokenLogprobs
-from lockstep_engine.api import extras, metrics, structured, tools
+from lockstep_engine.api import extras, metrics, reasoning, structured, tools
 from lockstep_engine.api.client import EngineBusyError, EngineCoreClient, EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.sse import (SSE_DONE, SSE_HEADERS, ClientGone, message_text, sse, take_delta, usage,
                                      watch_disconnect)
@@ -57,6 +57,7 @@ class _Job:
     text_offsets: dict = field(default_factory=dict)  # streamed logprobs: (prompt, sample) -> next token's offset
     echoed: set = field(default_factory=set)
     render: Callable[[int], str] | None = None  # token names in logprobs (extras.token_renderer)
+    reasoning: reasoning.ReasoningStream | None = None  # streamed chat with --reasoning-parser
 
 
 class OpenAIServing:
@@ -71,6 +72,7 @@ class OpenAIServing:
         self.idle_timeout_s = idle_timeout_s
         self._token_strs: dict[int, str] = {}
         self.tool_call_parser: str | None = None  # --tool-call-parser when --enable-auto-tool-choice
+        self.reasoning_parser: str | None = None  # --reasoning-parser (api/reasoning.py)
         self.defaults = ServerDefaults()  # --chat-template, --response-role, --generation-config (set by the app)
         self.grammars = GrammarChecker()
 
@@ -355,6 +357,8 @@ class OpenAIServing:
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs,
                    chunk_object="chat.completion.chunk", tool_call=tool_call)
         job.continuous_usage, job.render = extras.continuous_usage(body), extras.token_renderer(body, self.token_str)
+        if self.reasoning_parser is not None:
+            job.reasoning = reasoning.ReasoningStream(self.reasoning_parser)
         if body.stream:
             return StreamingResponse(self._stream(job, self._chat_chunks, self._chat_role_chunks(job)),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
@@ -362,7 +366,8 @@ class OpenAIServing:
         choices = []
         for seq in generation.states[0].sequences:
             logprobs = {"content": self._chat_logprobs(seq.logprobs, job)} if job.num_logprobs is not None else None
-            message, finish_reason = tools.message(tool_call, seq.text, seq.finish_reason)
+            message, finish_reason = reasoning.chat_message(self.reasoning_parser, tool_call, seq.text,
+                                                            seq.finish_reason, tools.message)
             message["role"] = self.defaults.response_role
             choices.append({"index": seq.index, "message": message,
                             "logprobs": logprobs, "finish_reason": finish_reason,
@@ -388,8 +393,9 @@ class OpenAIServing:
             if delta is None:
                 continue
             logprobs = {"content": self._chat_logprobs(new_logprobs, job)} if job.num_logprobs is not None else None
-            message, finish_reason = tools.stream_delta(job.tool_call, seq.index, delta, finishing,
-                                                        seq.finish_reason if finishing else None)
+            message, finish_reason = reasoning.chat_delta(job.reasoning, job.tool_call, seq.index, seq.releasable_text(),
+                                                          delta, finishing, seq.finish_reason if finishing else None,
+                                                          tools.stream_delta)
             if message is None:
                 continue
             chunks.append(self._chat_chunk(job, seq.index, message, logprobs, finish_reason,
@@ -412,6 +418,9 @@ class OpenAIServing:
         completed = False
         try:
             if first_chunks:
+                if job.continuous_usage:  # the first chunk too, as vLLM sends it (no tokens generated yet)
+                    for chunk in first_chunks:
+                        chunk["usage"] = usage(generation)
                 yield "".join(sse(chunk) for chunk in first_chunks)
             while True:
                 chunks = make_chunks(job)

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help='allow tool_choice "auto" (needs --tool-call-parser)')
     server.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "pythonic"],
                         help="how tool calls are read from the model's text for tool_choice auto")
+    server.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                        help="return a reasoning model's <think>...</think> text as reasoning_content (chat), "
+                             "reasoning items (/v1/responses) and thinking blocks (/v1/messages)")
     return parser
 
 
@@ -137,7 +140,8 @@ def parse_args(argv: list[str]):
     from lockstep_engine.api.client import CoreTimeouts
 
     parser = build_parser()
-    args = parser.parse_args(vllm_flags.expand_argv(config_file_args(argv, parser)))
+    argv = vllm_flags.expand_argv(config_file_args(argv, parser))
+    args = parser.parse_args(argv)
     notices, errors = vllm_flags.check(args)
     errors += vllm_flags.frontend_errors(args)
     if errors:
@@ -182,6 +186,9 @@ def parse_args(argv: list[str]):
         core_timeouts=CoreTimeouts(startup_s=args.engine_start_timeout, heartbeat_s=args.engine_heartbeat_timeout,
                                    loop_stall_s=args.engine_stall_timeout),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
+        gpu_memory_utilization=args.gpu_memory_utilization if any(
+            arg.split("=")[0] == "--gpu-memory-utilization" for arg in argv) else None,
         defaults=defaults,
         max_queued_requests=None if args.max_queued_requests == -1 else args.max_queued_requests,
         body_read_timeout_s=args.body_read_timeout,

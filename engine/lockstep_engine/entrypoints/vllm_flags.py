@@ -173,7 +173,8 @@ FLAGS: tuple[Flag, ...] = (
     # ---- structured outputs -----------------------------------------------------------------
     _n("--guided-decoding-backend", "structured outputs always use llguidance"),
     _n("--structured-outputs-config", "structured outputs always use llguidance"),
-    _r("--reasoning-parser", "no reasoning parsers"),
+    _s("--reasoning-parser", "deepseek_r1 or qwen3: <think> text as reasoning_content, reasoning items and "
+                             "thinking blocks"),
     # ---- parallelism (ParallelConfig) -------------------------------------------------------
     _n("--distributed-executor-backend", "workers are local processes (torch.distributed), no Ray",
        accepted=("mp",)),
