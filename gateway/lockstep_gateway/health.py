@@ -18,13 +18,16 @@ def health_response(registry: Registry) -> JSONResponse:
 
 
 def ready_response(registry: Registry) -> JSONResponse:
-    """/ready, the readiness probe: 200 once the gateway can serve some model, 503 before. It can when an
-    engine is healthy, or when discovery declared a model with no engine up (a service at zero groups: its
-    requests wait in the queue while it scales up, so a gateway that refused them would keep it at zero)."""
+    """/ready, the readiness probe: 200 once the gateway can serve, 503 before. It can when an engine is
+    healthy, or when discovery has listed the cluster and found no engine at all: no LLMService, or only
+    services at zero groups, whose requests wait in the queue while they scale up (refusing them would
+    keep them at zero). Engines known but none healthy yet (starting, or failing): not ready."""
     healthy = registry.healthy()
-    declared = set().union(*registry.declared_models.values())
-    ready = bool(healthy) or bool(declared)
-    body = {"status": "ready" if ready else "no engine", "healthy_engines": len(healthy), "declared_models": sorted(declared)}
+    listed = bool(registry.declared_models)  # Kubernetes discovery declares models on every listing
+    ready = bool(healthy) or (listed and not registry.backends)
+    declared = sorted(set().union(*registry.declared_models.values()))
+    reason = "ready" if ready else ("no healthy engine" if registry.backends else "discovery has not listed engines yet")
+    body = {"status": reason, "engines": len(registry.backends), "healthy_engines": len(healthy), "declared_models": declared}
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

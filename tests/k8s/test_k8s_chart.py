@@ -381,3 +381,47 @@ def test_the_readme_documents_every_value():
     walk(yaml.compose(text), "")
     assert len(keys) > 50
     assert [k for k in keys if f"| `{k}` |" not in readme] == []
+
+
+def _gateway_policy(docs: list[dict]) -> dict:
+    return next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "lockstep-gateway")
+
+
+def _labels_of(docs: list[dict], kind: str, component: str) -> dict:
+    doc = next(d for d in docs if d["kind"] == kind and d["metadata"]["labels"]["app.kubernetes.io/component"] == component)
+    return (doc["spec"]["template"]["metadata"] if kind == "Deployment" else doc["metadata"])["labels"]
+
+
+def test_gateway_from_still_admits_the_operator_and_the_helm_test_pod():
+    client = {"podSelector": {"matchLabels": {"team": "search"}}}
+    docs = render({"networkPolicy": {"gatewayFrom": [client]}})
+    peers = _gateway_policy(docs)["spec"]["ingress"][0]["from"]
+    assert peers[0] == client
+    selectors = [p["podSelector"]["matchLabels"] for p in peers if "podSelector" in p and p is not peers[0]]
+    for kind, component in (("Deployment", "operator"), ("Pod", "test")):
+        labels = _labels_of(docs, kind, component)
+        assert any(all(labels.get(k) == v for k, v in s.items()) for s in selectors), (component, selectors)
+    assert any("namespaceSelector" in p for p in peers)  # monitoring
+    assert "from" not in _gateway_policy(render())["spec"]["ingress"][0]  # no gatewayFrom: anyone
+
+
+def test_the_example_is_refused_where_no_operator_watches():
+    with pytest.raises(Exception, match="does not watch"):
+        render({"example": {"enabled": True}, "operator": {"watchNamespaces": ["team-a"]}})
+    docs = render({"example": {"enabled": True}, "operator": {"watchNamespaces": ["team-a", "lockstep-system"]}})
+    assert [d["metadata"]["namespace"] for d in docs if d["kind"] == "LLMService"] == ["lockstep-system"]
+
+
+def test_the_gateway_is_ready_only_with_an_engine_spreads_its_replicas_and_bounds_tmp():
+    (gateway,) = [d for d in render() if d["kind"] == "Deployment" and d["metadata"]["name"] == "lockstep-gateway"]
+    pod = gateway["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert (container["readinessProbe"]["httpGet"]["path"], container["livenessProbe"]["httpGet"]["path"]) == ("/ready", "/health")
+    spread = pod["topologySpreadConstraints"]
+    assert [c["topologyKey"] for c in spread] == ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    assert all(c["whenUnsatisfiable"] == "ScheduleAnyway" and c["labelSelector"]["matchLabels"]["app.kubernetes.io/component"]
+               == "gateway" for c in spread)  # fmt: skip
+    for docs in (render(),):
+        for deployment in (d for d in docs if d["kind"] == "Deployment"):
+            volumes = deployment["spec"]["template"]["spec"]["volumes"]
+            assert all("sizeLimit" in v["emptyDir"] for v in volumes if "emptyDir" in v), deployment["metadata"]["name"]

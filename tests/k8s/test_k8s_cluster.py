@@ -164,6 +164,15 @@ def test_the_documented_upgrade_path_works(release, control_plane, kubectl):
         ),
         ({"engine": {"extraArgs": ["--tensor-parallel-size=4"]}}, "engine.extraArgs must not set --port"),
         ({"fooBar": 1}, 'unknown field "spec.fooBar"'),
+        ({"engine": {"shmSize": "lots"}}, "spec.engine.shmSize: Invalid value"),
+        ({"engine": {"resources": {"requests": {"cpu": "two"}}}}, "spec.engine.resources.requests.cpu: Invalid value"),
+        (
+            {"engine": {"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}}},
+            "a request must not exceed the limit of the same resource",
+        ),
+        ({"rollout": {"maxSurge": "lots"}}, "rollout.maxSurge must be a count in 0..1024 or a percentage"),
+        ({"rollout": {"maxUnavailable": "150%"}}, "rollout.maxUnavailable must be a count in 0..1024 or a percentage"),
+        ({"engine": {"terminationGracePeriodSeconds": 1}}, "spec.engine.terminationGracePeriodSeconds: Invalid value"),
     ],
     ids=[
         "steps-0",
@@ -173,6 +182,12 @@ def test_the_documented_upgrade_path_works(release, control_plane, kubectl):
         "adaptive-and-steps",
         "owned-flag",
         "unknown-field",
+        "shm-not-a-quantity",
+        "cpu-not-a-quantity",
+        "request-above-limit",
+        "surge-not-a-percentage",
+        "unavailable-over-100-percent",
+        "grace-too-short",
     ],
 )
 def test_the_api_server_rejects_invalid_specs(release, kubectl, namespace, change, message):
@@ -180,6 +195,20 @@ def test_the_api_server_rejects_invalid_specs(release, kubectl, namespace, chang
     assert result.returncode != 0
     assert message in result.stderr
     assert kubectl.get("llmservices", "-n", namespace)["items"] == []
+
+
+def test_a_name_that_cannot_prefix_pods_is_refused_naming_metadata_name(release, kubectl, namespace):
+    result = kubectl.apply({**example(), "metadata": {"name": "Not_A_Label"}}, namespace, check=False)
+    assert result.returncode != 0
+    assert "metadata.name: Invalid value" in result.stderr and "<nil>" not in result.stderr, result.stderr
+
+
+def test_every_spec_field_has_a_description_in_kubectl_explain(release, kubectl):
+    text = kubectl.run("explain", "llmservice.spec", "--recursive=false").stdout
+    assert "DESCRIPTION" in text and "What to serve" in text
+    for field in ("decode", "parallelism", "engine", "disruptionBudget"):
+        explained = kubectl.run("explain", f"llmservice.spec.{field}").stdout
+        assert "<empty>" not in explained.split("FIELDS")[0], explained
 
 
 def test_defaults_are_filled_by_the_api_server(release, kubectl, namespace):
