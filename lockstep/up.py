@@ -95,7 +95,7 @@ def gateway_config(args: argparse.Namespace, engine_urls: tuple[str, ...], engin
     return GatewayConfig(host=args.host, port=args.port, routing=args.routing, session_header=args.session_header,
                          session_affinity=args.session_affinity, saturation_queue_depth=args.saturation_queue_depth,
                          max_in_flight_per_engine=args.max_in_flight_per_engine, max_queue_length=args.max_queue_length,
-                         queue_timeout_s=args.queue_timeout, engines=engine_urls,
+                         queue_timeout_s=args.queue_timeout, max_queue_bytes=args.max_queue_bytes, engines=engine_urls,
                          api_key_files=tuple(args.api_key_file), health_check_interval_s=0.5, engine_api_key=key,
                          api_keys=tuple(filter(None, [key])))
 

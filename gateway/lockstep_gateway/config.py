@@ -37,10 +37,12 @@ class GatewayConfig:
     metrics_stale_s: float = 3.0
     saturation_queue_depth: int = 256
     max_in_flight_per_engine: int = 0
-    max_in_flight: int = 4096
-    # flow control: requests no engine can take yet wait in a queue per model
-    max_queue_length: int = 1024
-    queue_timeout_s: float = 60.0
+    max_in_flight: int = 32768
+    # flow control: requests no engine can take yet wait in a queue per model, admitted while its engines
+    # can be expected to serve them within the queue timeout (lockstep_gateway/flow_control.py)
+    max_queue_length: int = 65536
+    max_queue_bytes: int = 512 << 20
+    queue_timeout_s: float = 300.0
     # upstream timeouts and retries
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 120.0
@@ -61,6 +63,9 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     trusted_proxies: tuple[str, ...] = ()
+    # who may set x-gateway-priority (and a body priority below 0): these keys, and these peers
+    priority_api_key_files: tuple[str, ...] = ()
+    priority_trusted_proxies: tuple[str, ...] = ()
     cors_allowed_origins: tuple[str, ...] = ()
     log_level: str = "info"
 
@@ -78,12 +83,15 @@ class GatewayConfig:
             _check(getattr(self, name) >= 0, _flag(name), getattr(self, name), ">= 0 (0 = no limit)")
         _check(self.max_queue_length >= 0, "--max-queue-length", self.max_queue_length,
                ">= 0 (0 = no queue: 503 at once when no engine can take a request)")
+        _check(self.max_queue_bytes >= 1 << 20, "--max-queue-bytes", self.max_queue_bytes, ">= 1048576 (1 MiB)")
         _check(0 <= self.retry_budget_ratio <= 1, "--retry-budget-ratio", self.retry_budget_ratio, "0..1")
-        for proxy in self.trusted_proxies:
-            try:
-                ipaddress.ip_network(proxy, strict=False)
-            except ValueError:
-                _check(False, "--trusted-proxies", proxy, "IP addresses or CIDR ranges, comma-separated")
+        for flag, proxies in (("--trusted-proxies", self.trusted_proxies),
+                              ("--priority-trusted-proxies", self.priority_trusted_proxies)):
+            for proxy in proxies:
+                try:
+                    ipaddress.ip_network(proxy, strict=False)
+                except ValueError:
+                    _check(False, flag, proxy, "IP addresses or CIDR ranges, comma-separated")
         _check(self.max_body_bytes >= 1024, "--max-request-body-bytes", self.max_body_bytes, ">= 1024")
         _check(bool(self.session_header.strip()), "--session-header", self.session_header, "a header name")
         for url in self.engines:

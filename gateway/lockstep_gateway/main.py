@@ -17,6 +17,7 @@ from lockstep_common.sockets import bind_sockets, die_with_parent
 
 from lockstep_gateway.auth import read_key_file
 from lockstep_gateway.config import ROUTING_POLICIES, ConfigError, GatewayConfig
+from lockstep_gateway.flow_control import PRIORITY_HEADER
 from lockstep_gateway.workers import supervise
 
 DEFAULTS = GatewayConfig()
@@ -113,19 +114,29 @@ def build_parser() -> argparse.ArgumentParser:
     clients.add_argument("--trusted-proxies", default="", metavar="CIDR,...",
                          help="peers whose X-Forwarded-For names the client (for per-address rate limits "
                               "without keys), e.g. the ingress: 10.0.0.0/8")
+    clients.add_argument("--priority-api-key-file", action="append", default=[], metavar="PATH",
+                         help=f"keys (also accepted as API keys) whose requests may set {PRIORITY_HEADER} and a body "
+                              "priority below 0; from anyone else the header is ignored")
+    clients.add_argument("--priority-trusted-proxies", default="", metavar="CIDR,...",
+                         help=f"peers whose {PRIORITY_HEADER} is honoured: a proxy that sets it from its own "
+                              "configuration")
     clients.add_argument("--cors-allowed-origin", action="append", default=[], metavar="ORIGIN",
                          help="allow browser calls from ORIGIN (repeatable); CORS is off by default")
     return parser
 
 
 def add_flow_control_flags(parser: argparse.ArgumentParser) -> None:
-    """--max-queue-length and --queue-timeout, as `lockstep gateway` and `lockstep up` take them."""
+    """--max-queue-length, --max-queue-bytes and --queue-timeout, as `lockstep gateway` and `lockstep up` take them."""
     queue = parser.add_argument_group("flow control (requests no engine can take yet wait in a queue per model)")
     queue.add_argument("--max-queue-length", type=int, default=DEFAULTS.max_queue_length,
-                       help="requests queued per model; past it 429 + Retry-After (0 = no queue: 503 at once when "
-                            "every engine is saturated or down)")
+                       help="requests queued per model at most; past it 429 + Retry-After (0 = no queue: 503 at "
+                            "once when every engine is saturated or down)")
+    queue.add_argument("--max-queue-bytes", type=int, default=DEFAULTS.max_queue_bytes,
+                       help="memory the queued requests may hold, over all models (bodies plus about 24 KiB each); "
+                            "past it 429 + Retry-After")
     queue.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout_s,
-                       help="seconds a request may wait in the queue before 429 + Retry-After")
+                       help="a request is queued only if its engines, at their measured rate, reach it within "
+                            "this many seconds; a queued one gets 429 when no request left the queue for this long")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -146,6 +157,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         retry_budget_ratio=args.retry_budget_ratio, retry_budget_min=args.retry_budget_min,
         engine_api_key=engine_key(args.engine_api_key_file),
         max_in_flight=args.max_in_flight, max_queue_length=args.max_queue_length, queue_timeout_s=args.queue_timeout,
+        max_queue_bytes=args.max_queue_bytes, priority_api_key_files=tuple(args.priority_api_key_file),
+        priority_trusted_proxies=comma_separated(args.priority_trusted_proxies),
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         trusted_proxies=comma_separated(args.trusted_proxies),
         api_key_files=tuple(args.api_key_file), rate_limit_rpm=args.rate_limit_rpm,

@@ -100,8 +100,15 @@ class GatewayMetrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.requests_refused = Counter(
             "lockstep_gateway_requests_refused",
-            "Requests the gateway refused for want of an engine, by reason (queue_full and queue_timeout: 429; "
-            "sheddable and unavailable: 503)", ["reason"], registry=r)
+            "Requests the gateway refused for want of an engine, by reason (429: queue_full past --max-queue-length, "
+            "queue_memory past --max-queue-bytes, queue_wait when the engines would not reach it within "
+            "--queue-timeout at their drain rate, queue_timeout when the queue stopped moving; 503: sheddable, "
+            "unavailable)", ["reason"], registry=r)
+        self.queue_drain_rate = Gauge(
+            "lockstep_gateway_queue_drain_rate",
+            "Requests per second leaving the model's queue while it has a backlog (the engines' measured "
+            "throughput, which admission divides the queue by); 0 until measured", ["model"], registry=r,
+            multiprocess_mode="livesum")
         self.rate_limited = Counter("lockstep_gateway_rate_limited_requests",
                                     "Requests refused with 429, by the limit they hit (requests or tokens)", ["limit"],
                                     registry=r)

@@ -34,7 +34,7 @@ from lockstep_gateway.backends import Backend, Registry
 from lockstep_gateway.breaker import RetryBudget
 from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.errors import GatewayError, sse_error_event
-from lockstep_gateway.flow_control import FlowControl, QueueRefused
+from lockstep_gateway.flow_control import QUEUED_REQUEST_OVERHEAD_BYTES, FlowControl, QueueRefused
 from lockstep_gateway.metrics import GatewayMetrics
 from lockstep_gateway.ratelimit import RateLimiter
 from lockstep_gateway.routing import (
@@ -155,9 +155,14 @@ class Proxy:
         self.prefixes = PrefixIndex()
         self.flow = FlowControl(config.max_queue_length, config.queue_timeout_s, config.retry_after_s,
                                 choose=lambda job: self.choose(job, set()), hold=_hold, unhold=_unhold,
-                                on_depth=lambda model, depth: metrics.queue_depth.labels(model).set(depth),
-                                on_wait=lambda model, waited: metrics.queue_wait.labels(model).observe(waited))
+                                on_depth=self._on_queue_depth,
+                                on_wait=lambda model, waited: metrics.queue_wait.labels(model).observe(waited),
+                                max_bytes=config.max_queue_bytes)
         registry.listeners.append(self._engine_changed)
+
+    def _on_queue_depth(self, model: str, depth: int) -> None:
+        self.metrics.queue_depth.labels(model).set(depth)
+        self.metrics.queue_drain_rate.labels(model).set(self.flow.drain_rate(model) or 0.0)
 
     # ---- choosing ---------------------------------------------------------------------------------
     def choose(self, job: Job, tried: set[str]) -> Backend | None:
@@ -270,7 +275,8 @@ class Proxy:
             raise GatewayError(503, f"every engine serving {job.model!r} {state}, and this request is sheddable "
                                     "(x-gateway-priority < 0); retry later", retry_after=self.config.retry_after_s)
         try:
-            return await self.flow.wait(job, job.model, job.priority, job.rate_key, job.disconnected)
+            return await self.flow.wait(job, job.model, job.priority, job.rate_key, job.disconnected,
+                                        len(job.body) + QUEUED_REQUEST_OVERHEAD_BYTES)
         except QueueRefused as refused:
             if refused.reason != "client_disconnected":
                 self.metrics.requests_refused.labels(refused.reason).inc()
@@ -321,14 +327,28 @@ class Proxy:
     async def _first_byte(self, backend: Backend, job: Job) -> tuple[UpstreamResponse, bytes | None]:
         """Send the request; (response, first body bytes or None). Raises `_Retry` when the engine did
         not accept it, GatewayError when it did and then failed, timed out or was ejected as
-        unresponsive."""
+        unresponsive.
+
+        The first-byte timeout measures the engine's silence, not this request's wait: it fires when
+        the engine sent nothing at all, to any request of this gateway, for the timeout while this one
+        waited. A request waiting its turn in the engine's own queue behind others that stream is
+        waiting, not unanswered (the engine says nothing per request until it is scheduled)."""
         cfg = self.config
         engine = backend.url
         sending = asyncio.ensure_future(self._send(backend, job))
         ejected = backend.unresponsive_signal()
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
+        done: set = set()
         try:
-            done, _ = await asyncio.wait((sending, ejected), timeout=cfg.first_byte_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                remaining = max(sent_at, self.clients.heard_at(engine)) + cfg.first_byte_timeout_s - loop.time()
+                if remaining <= 0:
+                    break
+                done, _ = await asyncio.wait((sending, ejected), timeout=remaining,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    break
         finally:
             if not sending.done():
                 sending.cancel()
@@ -356,8 +376,8 @@ class Proxy:
         if ejected in done:
             raise GatewayError(503, "the engine stopped answering and was taken out of rotation (not retried: it "
                                     "may have started the request)", retry_after=cfg.retry_after_s)
-        raise GatewayError(504, f"the engine did not answer within {cfg.first_byte_timeout_s:g}s "
-                                "(not retried: it may have started the request)")
+        raise GatewayError(504, f"the engine sent nothing for {cfg.first_byte_timeout_s:g}s while this request "
+                                "waited for its answer (not retried: it may have started the request)")
 
     async def _send(self, backend: Backend, job: Job) -> tuple[UpstreamResponse, bytes | None]:
         response = await self.clients.post(backend.url, job.path, job.headers, job.body)

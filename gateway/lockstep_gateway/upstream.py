@@ -11,7 +11,8 @@ bytes, the idle timeout it passes to `Response.read`. That idle deadline is one 
 per chunk: a reader that starts waiting notes the time, and the timer, when it fires, checks whether the
 reader has been waiting that long (else it re-arms itself for the rest). A reader that is busy elsewhere
 (a slow client) is not waiting, so an engine is never blamed for it. Past `MAX_BUFFERED_BYTES` unread,
-the connection stops reading from the engine until the reader catches up.
+the connection stops reading from the engine until the reader catches up. Each engine's pool notes when
+the engine last sent anything (`heard_at`), which the proxy's first-byte timeout measures.
 
 Failures are typed by what they say about the request, which is what the proxy's retry rule needs:
 `ConnectFailed`, `ConnectTimeout` and `WriteFailed` (the engine cannot have the whole request: safe to
@@ -93,6 +94,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self.pool.heard_at = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
@@ -242,6 +244,7 @@ class _Pool:
         self.tls = tls
         self.host_header = host_header
         self.idle: list[_Connection] = []
+        self.heard_at = float("-inf")  # loop time the engine last sent bytes on any connection
 
     def acquire(self) -> _Connection | None:
         now = time.monotonic()
@@ -294,6 +297,11 @@ class UpstreamClient:
             tls = (self.tls or ssl.create_default_context()) if secure else None
             pool = self._pools[base_url] = _Pool(parts.hostname, port, tls, parts.netloc)
         return pool
+
+    def heard_at(self, base_url: str) -> float:
+        """When (the event loop's clock) the engine last sent anything to this client, on any request:
+        an engine that answers others is working, however long one request waits in its queue."""
+        return self._pool(base_url).heard_at
 
     async def _connect(self, pool: _Pool) -> _Connection:
         loop = asyncio.get_running_loop()

@@ -7,6 +7,7 @@ one long stream holding the engine's only place."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from gateway_harness import MODEL, Engine
 from test_gateway_failures import LONG, Stream, poll
 
 from lockstep_gateway.errors import GatewayError
-from lockstep_gateway.flow_control import ModelQueue, Waiter, request_priority
+from lockstep_gateway.flow_control import ModelQueue, PriorityTrust, Waiter, request_priority
 
 DEPTH = "lockstep_gateway_queue_depth"
 REFUSED = "lockstep_gateway_requests_refused_total"
@@ -75,6 +76,25 @@ def test_the_header_priority_is_the_negated_body_priority_and_negative_is_shedda
         with pytest.raises(GatewayError) as refused:
             request_priority(headers, body)
         assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_an_untrusted_source_cannot_make_its_request_more_urgent():
+    untrusted = functools.partial(request_priority, trusted=False)
+    assert untrusted({"x-gateway-priority": "1000"}, {}) == (0, False)  # the header is ignored
+    assert untrusted({"x-gateway-priority": "-1"}, {}) == (0, False)  # also when it would shed the request
+    assert untrusted({"x-gateway-priority": "high"}, {}) == (0, False)  # ignored, not checked
+    assert untrusted({}, {"priority": -5}) == (0, False)  # more urgent than the default: counts as 0
+    assert untrusted({}, {"priority": 5}) == (5, False)  # less urgent: as asked
+    assert untrusted({"x-gateway-priority": "9"}, {"priority": 3}) == (3, False)
+
+
+def test_priority_is_trusted_from_configured_keys_and_proxies_only():
+    trust = PriorityTrust(key_ids=["k-batch"], proxies=["10.0.0.0/8", "::1"])
+    assert trust.trusts("k-batch", "192.0.2.7")
+    assert not trust.trusts("k-other", "192.0.2.7")
+    assert trust.trusts("k-other", "10.1.2.3") and trust.trusts(None, "::1")
+    assert not trust.trusts(None, "11.0.0.1") and not trust.trusts(None, None) and not trust.trusts(None, "not-an-ip")
+    assert not PriorityTrust().trusts("addr:127.0.0.1", "127.0.0.1")
 
 
 # ---- real gateway and engines ----------------------------------------------------------------------
@@ -147,7 +167,8 @@ def test_a_burst_past_seats_and_saturation_depth_is_served_in_full(log_dir, star
 def test_queued_requests_go_by_priority_and_the_first_byte_timeout_starts_at_dispatch(engines, start_gateway):
     first_byte_timeout = 2.0
     gateway = start_gateway(f"--engine={engines[0].url}", "--max-in-flight-per-engine=1",
-                            f"--first-byte-timeout={first_byte_timeout}", expect_healthy={engines[0].url})
+                            f"--first-byte-timeout={first_byte_timeout}", "--priority-trusted-proxies=127.0.0.1",
+                            expect_healthy={engines[0].url})
 
     async def scenario():
         order: list[str] = []
@@ -197,7 +218,8 @@ def test_api_keys_take_turns_so_one_burst_cannot_starve_another_key(engines, sta
 def test_queue_bounds_answer_429_with_retry_after_and_sheddable_requests_503(engines, start_gateway):
     timeout = 3.0  # long enough to see it queued on a loaded machine
     gateway = start_gateway(f"--engine={engines[0].url}", "--max-in-flight-per-engine=1", "--max-queue-length=1",
-                            f"--queue-timeout={timeout}", "--retry-after=4", expect_healthy={engines[0].url})
+                            f"--queue-timeout={timeout}", "--retry-after=4", "--priority-trusted-proxies=127.0.0.1",
+                            expect_healthy={engines[0].url})
 
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as client:
