@@ -29,6 +29,7 @@ from lockstep_engine.api import anthropic, metrics, responses
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
 from lockstep_engine.api.errors import (
     REQUEST_FAULT,
+    RETRYABLE,
     APIError,
     error_body,
     error_response,
@@ -56,6 +57,12 @@ from lockstep_engine.model_config import ModelConfig
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+# A waiting request holds its prompt, not KV: as token ids in this process and in the core (a list of ints,
+# about 16 bytes per byte of JSON body), plus its connection, task and per-request state. Measured with
+# 10,000 at once (docs/GATEWAY.md, "Admission").
+DEFAULT_QUEUED_MEMORY_BYTES = 1 << 30
+QUEUED_REQUEST_OVERHEAD_BYTES = 32 << 10
+HELD_BYTES_PER_BODY_BYTE = 16
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
 
@@ -67,7 +74,8 @@ class ServerSettings:
     request_idle_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
     core_timeouts: CoreTimeouts = field(default_factory=CoreTimeouts)
-    max_queued_requests: int | None = 1024  # beyond --max-num-seqs; None: unbounded
+    max_queued_requests: int | None = None  # beyond --max-num-seqs; None: no count, the memory budget bounds them
+    max_queued_memory_bytes: int = DEFAULT_QUEUED_MEMORY_BYTES  # what requests beyond --max-num-seqs may hold
     body_read_timeout_s: float = 60.0  # a request body must arrive within this, else 408
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" is allowed
@@ -88,6 +96,7 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False
         self.in_flight = 0
+        self.held_bytes = 0  # what the generation requests in flight hold, as GuardMiddleware counts it
         self.idle = asyncio.Event()
         self.on_fatal = None  # set by serve.py: called when the model cannot be loaded
         self._loader: asyncio.Task | None = None
@@ -175,12 +184,20 @@ class ServerState:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.idle.wait(), 5.0)
 
-    def enter(self) -> None:
+    def admits(self, held_bytes: int) -> bool:
+        """The running batch's seats are always open; past them, requests wait while what they hold fits
+        in --max-queued-memory-bytes."""
+        return (self.in_flight < self.engine_config.max_num_seqs
+                or self.held_bytes + held_bytes <= self.settings.max_queued_memory_bytes)
+
+    def enter(self, held_bytes: int = 0) -> None:
         self.in_flight += 1
+        self.held_bytes += held_bytes
         self.idle.clear()
 
-    def leave(self) -> None:
+    def leave(self, held_bytes: int = 0) -> None:
         self.in_flight -= 1
+        self.held_bytes -= held_bytes
         if self.in_flight == 0:
             self.idle.set()
 
@@ -250,11 +267,18 @@ class GuardMiddleware:
 
         if path not in GENERATION_PATHS or scope["method"] != "POST":
             return await self.app(scope, replay, send)
-        self.state.enter()
+        held = QUEUED_REQUEST_OVERHEAD_BYTES + HELD_BYTES_PER_BODY_BYTE * len(body)
+        if not self.state.admits(held):
+            return await error_response(
+                503, f"the {self.state.in_flight} requests in this engine hold {self.state.held_bytes >> 20} MiB, and "
+                     f"the limit for requests waiting beyond --max-num-seqs is "
+                     f"{settings.max_queued_memory_bytes >> 20} MiB (--max-queued-memory-bytes); retry later", None,
+                {**RETRYABLE, "Retry-After": "1"})(scope, receive, send)
+        self.state.enter(held)
         try:
             await self.app(scope, replay, send)
         finally:
-            self.state.leave()
+            self.state.leave(held)
 
 
 def _redact_query_key(scope) -> bool:

@@ -48,9 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on /v1 (env LOCKSTEP_API_KEY or VLLM_API_KEY)")
     server.add_argument("--api-key-file", default=os.environ.get("LOCKSTEP_API_KEY_FILE"),
                         help="read the API key from this file, e.g. a mounted Secret (env LOCKSTEP_API_KEY_FILE)")
-    server.add_argument("--max-queued-requests", type=int, default=1024,
+    server.add_argument("--max-queued-requests", type=int, default=-1,
                         help="requests that may wait beyond --max-num-seqs; more get 503 with Retry-After "
-                             "(-1: unbounded)")
+                             "(-1: no count, --max-queued-memory-bytes bounds them)")
+    server.add_argument("--max-queued-memory-bytes", type=human_readable_int, default=1 << 30,
+                        help="memory the requests waiting beyond --max-num-seqs may hold (a waiting request holds "
+                             "its prompt, not KV: about 16 bytes per byte of its body plus 32 KiB); past it 503 "
+                             "with Retry-After. e.g. 1G (GiB), 512M")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
     server.add_argument("--header-read-timeout", type=float, default=10.0,
@@ -167,6 +171,8 @@ def parse_args(argv: list[str]):
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range: expected seconds > 0")
     if args.max_queued_requests < -1:
         parser.error(f"--max-queued-requests={args.max_queued_requests} is out of range: expected -1 or more")
+    if args.max_queued_memory_bytes < 1 << 20:
+        parser.error(f"--max-queued-memory-bytes={args.max_queued_memory_bytes} is out of range: expected 1M or more")
     if args.api_key_file:
         try:
             with open(args.api_key_file, encoding="utf-8") as handle:
@@ -191,6 +197,7 @@ def parse_args(argv: list[str]):
             arg.split("=")[0] == "--gpu-memory-utilization" for arg in argv) else None,
         defaults=defaults,
         max_queued_requests=None if args.max_queued_requests == -1 else args.max_queued_requests,
+        max_queued_memory_bytes=args.max_queued_memory_bytes,
         body_read_timeout_s=args.body_read_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
     )
