@@ -1,12 +1,15 @@
 """Paged attention. The torch backend is the reference every other kernel is tested against.
 
+Every backend has `write_kv` (this step's k and v to their slots), `attend` (q over the cache, the
+step's k and v already written: the model writes them together with rotary) and `__call__` (both).
+
 KV cache per layer: [num_blocks + 1, block_size, num_kv_heads, head_dim]; the extra last block is a
 sink for slot -1 (rows that finished mid-window), so writes never branch and shapes stay static.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +25,18 @@ class AttentionMetadata:
     seq_lens_host: list[int] | None = None
     max_seq_len: int = 0  # host bound used for gathering (decode)
 
+    # int32 copies of the tensors above, made by the first layer that asks and reused by the others
+    _int32: dict = field(default_factory=dict, repr=False, compare=False)
+
     @property
     def is_decode(self) -> bool:
         return self.query_start_loc is None
+
+    def int32(self, name: str) -> torch.Tensor:
+        """`name`'s tensor as int32 (kernels that take no int64 lengths or tables), converted once per step."""
+        if name not in self._int32:
+            self._int32[name] = getattr(self, name).to(torch.int32)
+        return self._int32[name]
 
 
 class TorchPagedAttention:
@@ -47,6 +59,11 @@ class TorchPagedAttention:
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the cache, this step's k and v already in it (the model writes them with rotary)."""
         if meta.is_decode:
             return self._decode(q, k_cache, v_cache, meta)
         return self._prefill(q, k_cache, v_cache, meta)

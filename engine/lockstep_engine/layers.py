@@ -3,9 +3,10 @@
 Linear and embedding layers hold their rank's shard and load it from the full checkpoint tensor
 (`weight_loader`), so the model file stays pure architecture and works for any TP size.
 
-On CUDA, RMSNorm (with the residual add), SiLU-and-mul and rotary run as fused Triton kernels
-(`kernels/fused.py`) unless LOCKSTEP_FUSED_KERNELS=0 or Triton cannot be imported; on the CPU the
-torch ops below always run, in Hugging Face's order, so fp32 results match it bit for bit.
+On CUDA, RMSNorm (with the residual add), SiLU-and-mul and rotary with the KV-cache write run as
+fused Triton kernels (`kernels/fused.py`) unless LOCKSTEP_FUSED_KERNELS=0 or Triton cannot be
+imported; on the CPU the torch ops below always run, in Hugging Face's order, so fp32 results match
+it bit for bit.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def _fused_kernels():
     return fused
 
 
-def _fused_for(x: torch.Tensor):
+def fused_kernels_for(x: torch.Tensor):
+    """The fused kernels module for a tensor on CUDA (None on the CPU or when they are off)."""
     return _fused_kernels() if x.is_cuda else None
 
 
@@ -169,7 +171,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x, residual: [tokens, hidden]
-        fused = _fused_for(x)
+        fused = fused_kernels_for(x)
         if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
@@ -204,17 +206,30 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]
-        fused = _fused_for(q)
+        fused = fused_kernels_for(q)
         if fused is not None:
             return fused.rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotates q and k, writes k and v to the paged cache at `slot_mapping` (one kernel on CUDA);
+        returns the rotated q. q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (views of
+        the qkv projection's output); caches: [num_blocks + 1, block_size, kv_heads, head_dim]."""
+        fused = fused_kernels_for(q)
+        if fused is not None:
+            return fused.rotary_write_kv(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, slot_mapping)
+        q, k = self(positions, q, k)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        return q
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [tokens, 2 * I], gate then up (gate_up_proj's output) -> silu(gate) * up: [tokens, I]."""
-    fused = _fused_for(x)
+    fused = fused_kernels_for(x)
     if fused is not None:
         return fused.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lockstep_engine import layers
+
 _MASK64 = (1 << 64) - 1
 ANY_TOKEN = -2  # in a bad word's right-aligned prefix: the place before a shorter word's first token
 
@@ -89,10 +91,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors, num_generated: torch.Tensor,
                  output_counts: torch.Tensor | None, allowed: torch.Tensor | None = None,
                  recent: torch.Tensor | None = None) -> SampleOutput:
-        # logits: [rows, vocab] float32; num_generated: [rows] output tokens so far;
+        # logits: [rows, vocab] in the model's dtype or float32; num_generated: [rows] output tokens so far;
         # allowed: [rows, vocab] bool from guided decoding (None: unconstrained);
         # recent: [rows, H] the latest outputs, with bad words of several tokens (`ban_bad_words`)
-        raw = logits
+        if self._plain_greedy(t, allowed):
+            fused = layers.fused_kernels_for(logits)
+            if fused is not None:
+                # one kernel over the logits as the model wrote them: no float32 copy, ban and argmax fused
+                return SampleOutput(tokens=fused.greedy_sample(logits, t.stop_ids, t.min_tokens, num_generated))
+        raw = logits = logits.float()
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
         if t.logit_bias is not None:
@@ -114,6 +121,12 @@ class Sampler:
         if t.num_logprobs >= 0:
             self._logprobs(raw, out, t.num_logprobs)
         return out
+
+    @staticmethod
+    def _plain_greedy(t: SamplingTensors, allowed: torch.Tensor | None) -> bool:
+        """Greedy rows whose only logit change is min_tokens' stop-token ban, and no logprobs."""
+        return (t.all_greedy and allowed is None and t.logit_bias is None and t.bad_last is None
+                and t.presence is None and t.num_logprobs < 0)
 
     @staticmethod
     def _apply_penalties(logits, t: SamplingTensors, counts: torch.Tensor) -> torch.Tensor:

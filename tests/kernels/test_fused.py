@@ -1,4 +1,5 @@
-"""Fused RMSNorm, SiLU-and-mul and rotary kernels against the torch code in layers.py on random inputs.
+"""Fused RMSNorm, SiLU-and-mul, rotary (alone and with the KV-cache write) and greedy-sampling kernels
+against the torch code in layers.py, attention.py and sampler.py on random inputs.
 
 The reference always runs the torch ops on the CPU (layers.py keeps them there). On a machine
 without CUDA the kernels run in Triton's interpreter (tests/kernels/conftest.py sets
@@ -158,6 +159,101 @@ def test_rotary_llama3_scaling_and_zero_tokens():
 
 
 # ---------------------------------------------------------------------------------------------
+# Rotary with the KV-cache write
+# ---------------------------------------------------------------------------------------------
+
+def check_rotary_write_kv(tokens, heads, kv_heads, head_dim, dtype, block_size=16, num_blocks=6, seed=40):
+    """The kernel's q and cache against layers.RotaryEmbedding then attention's index_copy write; unused
+    slots keep their (poisoned) contents."""
+    from lockstep_engine.attention import TorchPagedAttention
+
+    rotary = RotaryEmbedding(head_dim, 4096, 500000.0, None)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=seed)
+    q, k, v = (part.view(tokens, -1, head_dim) for part in
+               qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    # distinct slots in random blocks, the last token to the sink block (slot -1's stand-in)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[-1:] = num_blocks * block_size
+    cache_shape = (num_blocks + 1, block_size, kv_heads, head_dim)
+    k_cache, v_cache = randn(*cache_shape, dtype=dtype, seed=seed + 1), randn(*cache_shape, dtype=dtype, seed=seed + 2)
+    expected_k_cache, expected_v_cache = k_cache.cpu().clone(), v_cache.cpu().clone()
+    expected_q, expected_k = rotary(positions, q.cpu(), k.cpu())
+    TorchPagedAttention.write_kv(expected_k, v.cpu().contiguous(), expected_k_cache, expected_v_cache, slots)
+    qkv_before = qkv.clone()
+
+    out_q = fused.rotary_write_kv(positions.to(DEVICE), q, k, v, rotary.cos.to(DEVICE), rotary.sin.to(DEVICE),
+                                  k_cache, v_cache, slots.to(DEVICE))
+    assert torch.equal(v_cache.cpu(), expected_v_cache), "v is copied bit for bit, other slots untouched"
+    if rounds_like_torch(dtype):
+        assert torch.equal(out_q.cpu(), expected_q) and torch.equal(k_cache.cpu(), expected_k_cache)
+    assert_close(out_q, expected_q)
+    assert_close(k_cache, expected_k_cache)
+    assert out_q.is_contiguous()
+    assert torch.equal(qkv, qkv_before), "the projection's output must not be written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (6, 2, 32)])
+def test_rotary_write_kv(heads, kv_heads, head_dim, dtype):
+    check_rotary_write_kv(5, heads, kv_heads, head_dim, dtype)
+
+
+def test_rotary_write_kv_zero_tokens_writes_nothing():
+    cache = torch.ones(2, 16, 2, 32, device=DEVICE)
+    empty = torch.zeros(0, 4, 32, device=DEVICE)
+    table = torch.zeros(8, 32, device=DEVICE)
+    none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    out_q = fused.rotary_write_kv(none, empty, empty[:, :2], empty[:, :2], table, table, cache, cache, none)
+    assert out_q.shape == (0, 4, 32) and bool((cache == 1).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy sampling
+# ---------------------------------------------------------------------------------------------
+
+def reference_greedy(logits, stop_ids, min_tokens, num_generated):
+    """sampler.Sampler's greedy path on float32 logits."""
+    from lockstep_engine.sampler import Sampler, SamplingTensors
+
+    rows = logits.shape[0]
+    t = SamplingTensors(temperature=torch.zeros(rows), top_k=torch.zeros(rows, dtype=torch.int64),
+                        top_p=torch.ones(rows), min_p=torch.zeros(rows), seeds=torch.zeros(rows, dtype=torch.int64),
+                        stop_ids=stop_ids, min_tokens=min_tokens, presence=None, frequency=None, repetition=None,
+                        prompt_mask=None, logit_bias=None, all_greedy=True, any_filter=False, num_logprobs=-1)
+    return Sampler()(logits.float(), t, num_generated, None).tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])  # SmolLM2's vocabulary, ragged, smaller than a block
+def test_greedy_sample_matches_the_sampler(vocab, dtype):
+    rows = 6
+    gen = torch.Generator().manual_seed(vocab)
+    logits = randn(rows, vocab, dtype=dtype, seed=vocab, scale=3.0)
+    top = logits.float().cpu().argmax(dim=-1)
+    # rows 0-2 stop at their own argmax and are below min_tokens (banned); rows 3-5 are past it
+    stop_ids = torch.full((rows, 3), -1, dtype=torch.int64)
+    stop_ids[:, 0] = top
+    stop_ids[:, 1] = torch.randint(0, vocab, (rows,), generator=gen)
+    min_tokens = torch.tensor([4, 4, 4, 0, 2, 1])
+    num_generated = torch.tensor([0, 1, 3, 0, 2, 5])
+    expected = reference_greedy(logits.cpu(), stop_ids, min_tokens, num_generated)
+    assert bool((expected[:3] != top[:3]).all()) and torch.equal(expected[3:], top[3:])
+    got = fused.greedy_sample(logits, stop_ids.to(DEVICE), min_tokens.to(DEVICE), num_generated.to(DEVICE))
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), expected)
+
+
+def test_greedy_sample_ties_take_the_first_index_and_no_stop_ids():
+    logits = torch.zeros(2, 9000, device=DEVICE)
+    logits[0, [17, 5000, 8999]] = 2.0  # the same maximum in three blocks
+    logits[1, [8998, 8999]] = 1.0
+    none = torch.zeros(2, 0, dtype=torch.int64, device=DEVICE)
+    counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    assert fused.greedy_sample(logits, none, counts, counts).tolist() == [17, 8998]
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU only: Llama-3-8B shapes (whole and split for TP 2), CUDA graphs
 # ---------------------------------------------------------------------------------------------
 
@@ -190,6 +286,26 @@ def test_llama_rotary_gpu(tokens, heads, kv_heads):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
     check_rotary(tokens, heads, kv_heads, 128, torch.bfloat16, max_position=8192, scaling=scaling)
+
+
+@gpu_only
+@pytest.mark.parametrize("tokens", LLAMA_TOKENS)
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (16, 4)])
+def test_llama_rotary_write_kv_gpu(tokens, heads, kv_heads):
+    check_rotary_write_kv(tokens, heads, kv_heads, 128, torch.bfloat16, num_blocks=tokens // 16 + 2)
+
+
+@gpu_only
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_llama_greedy_sample_gpu(rows):
+    vocab = 128256
+    logits = randn(rows, vocab, dtype=torch.bfloat16, seed=rows, scale=3.0)
+    stop_ids = torch.tensor([[128001, 128009]] * rows)
+    stop_ids[:, 0] = logits.float().cpu().argmax(dim=-1)
+    min_tokens, num_generated = torch.full((rows,), 2), torch.arange(rows) % 4
+    expected = reference_greedy(logits.cpu(), stop_ids, min_tokens, num_generated)
+    got = fused.greedy_sample(logits, stop_ids.to(DEVICE), min_tokens.to(DEVICE), num_generated.to(DEVICE))
+    assert torch.equal(got.cpu(), expected)
 
 
 @gpu_only
@@ -243,7 +359,7 @@ def test_model_greedy_tokens_match_the_torch_path(monkeypatch):
               num_gpu_blocks_override=64, max_num_seqs=4)
     prompts = [[1, 5, 9, 200, 31], [7, 7, 7], [100, 3, 44, 12, 9, 18, 2]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    monkeypatch.setattr(layers, "_fused_for", lambda x: None)
+    monkeypatch.setattr(layers, "fused_kernels_for", lambda x: None)
     expected = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
-    monkeypatch.setattr(layers, "_fused_for", lambda x: fused)
+    monkeypatch.setattr(layers, "fused_kernels_for", lambda x: fused)
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected

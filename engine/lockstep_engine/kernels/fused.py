@@ -1,5 +1,5 @@
 """Fused elementwise kernels of the Llama decoder in Triton: RMSNorm (with the residual add),
-SiLU-and-mul, and rotary embedding.
+SiLU-and-mul, rotary embedding (alone, or with the KV-cache write), and greedy sampling.
 
 Each replaces a chain of small torch kernels with one launch and one pass over memory, and rounds
 where the torch code in `layers.py` rounds, so bf16 results match it up to the order of the
@@ -10,12 +10,17 @@ RMSNorm sum (fp32 results match up to that and fp32 rounding of exp/rsqrt):
 * `silu_and_mul`: `silu(gate)` rounded to the dtype, times `up`, rounded.
 * `rotary`: `q * cos + rotate_half(q) * sin` with cos and sin rounded to the dtype, each product
   rounded, then the sum rounded (same for k).
+* `rotary_write_kv`: the same rotation of q and k, in one launch with the paged KV-cache write: the
+  rotated k and the untouched v go straight from the qkv projection's output to their cache slots
+  (what `rotary` followed by `TorchPagedAttention.write_kv` stores, bit for bit).
+* `greedy_sample`: the sampler's greedy tail, `argmax(logits)` with the stop tokens banned for rows
+  below their `min_tokens`, read once from the logits in their own dtype (no float32 copy).
 
 Every launch passes enable_fp_fusion=False: with it Triton contracts a product and the following add
 into one FMA even across a `.to(bf16)` rounding in between, which is not what torch computes (rotary
 then differs in about one element in five by an ulp). The kernels are memory-bound; FMA saves nothing.
 
-Outputs are new tensors; inputs are never written, so callers need not care who else holds them.
+Outputs are new tensors (the KV cache aside, which `rotary_write_kv` writes); inputs are never written, so callers need not care who else holds them.
 Nothing syncs with the host and the only allocations are the outputs (sized from host shapes), so
 the kernels can be captured in a CUDA graph. Per-call sizes (token counts) are not specialized on.
 """
@@ -173,6 +178,115 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
             HALF=half, HALF_PAD=triton.next_power_of_2(half), Q_HEADS_PAD=triton.next_power_of_2(num_heads),
             K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), num_warps=4, enable_fp_fusion=False)
     return q_out, k_out
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding and the KV-cache write, one launch
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rotary_write_kv_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                            cos_ptr, sin_ptr, num_heads, num_kv_heads,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
+                            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_table,
+                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                            HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+                            K_HEADS_PAD: tl.constexpr):
+    """One program per token: rotated q to q_out, rotated k and v to the token's cache slot."""
+    row = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + row).to(tl.int64)
+    offs = tl.arange(0, HALF_PAD)
+    mask = offs < HALF
+    table = position * stride_table + offs
+    dtype = q_out_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + table + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + table + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    _rotate(q_ptr, q_out_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
+            c1, c2, s1, s2, HALF, Q_HEADS_PAD, HALF_PAD)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    _rotate(k_ptr, k_cache_ptr + block * stride_kcb + offset * stride_kcs, row, stride_kt, stride_kh, 0, stride_kch,
+            num_kv_heads, c1, c2, s1, s2, HALF, K_HEADS_PAD, HALF_PAD)
+    heads = tl.arange(0, K_HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    v_mask = (heads < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    v = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=v_mask)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :],
+             v, mask=v_mask)
+
+
+def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """positions, slot_mapping: [tokens]; q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
+    (any token and head strides: views into the qkv projection's output are read in place); cos, sin:
+    [max_position, head_dim] fp32; caches: [num_blocks + 1, block_size, kv_heads, head_dim], each slot's
+    [kv_heads, head_dim] contiguous. Writes rotated k and v at the slots; returns the rotated q (new,
+    contiguous)."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    q_out = torch.empty((tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        half = head_dim // 2
+        _rotary_write_kv_kernel[(tokens,)](
+            positions, q, k, v, q_out, k_cache, v_cache, slot_mapping, cos, sin, num_heads, num_kv_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos.stride(0),
+            BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), num_warps=4, enable_fp_fusion=False)
+    return q_out
+
+
+# ----------------------------------------------------------------------------------------------
+# Greedy sampling: argmax with min_tokens' stop-token ban
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["num_stops"])
+def _greedy_sample_kernel(logits_ptr, stop_ptr, min_tokens_ptr, num_generated_ptr, out_ptr, vocab, num_stops,
+                          stride_l, stride_s, STOPS_PAD: tl.constexpr, HAS_STOPS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row, BLOCK logits at a time; the first index of the largest value wins (torch's argmax)."""
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_STOPS:
+        offs_s = tl.arange(0, STOPS_PAD)
+        stops = tl.load(stop_ptr + row * stride_s + offs_s, mask=offs_s < num_stops, other=-1)
+        banned = tl.load(num_generated_ptr + row) < tl.load(min_tokens_ptr + row)
+        stops = tl.where(banned, stops, -1)  # -1 matches no token
+    best = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        values = tl.load(logits_ptr + row * stride_l + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        if HAS_STOPS:
+            hit = tl.sum((offs[:, None] == stops[None, :]).to(tl.int32), axis=1) > 0
+            values = tl.where(hit, float("-inf"), values)
+        block_max = tl.max(values, axis=0)
+        block_index = tl.argmax(values, axis=0).to(tl.int32) + start
+        best_index = tl.where(block_max > best, block_index, best_index)  # ties keep the earlier block
+        best = tl.maximum(best, block_max)
+    tl.store(out_ptr + row, best_index.to(tl.int64))
+
+
+def greedy_sample(logits: torch.Tensor, stop_ids: torch.Tensor, min_tokens: torch.Tensor,
+                  num_generated: torch.Tensor) -> torch.Tensor:
+    """logits: [rows, vocab] (any float dtype, last dim contiguous); stop_ids: [rows, S] int64, -1 padded;
+    min_tokens, num_generated: [rows]. Returns [rows] int64: each row's argmax, its stop ids excluded while
+    num_generated < min_tokens (the sampler's greedy path, which adds -inf at those ids)."""
+    rows, vocab = logits.shape
+    logits = _last_dim_contiguous(logits)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        num_stops = stop_ids.shape[1]
+        _greedy_sample_kernel[(rows,)](
+            logits, stop_ids, min_tokens, num_generated, out, vocab, num_stops, logits.stride(0),
+            stop_ids.stride(0), STOPS_PAD=max(triton.next_power_of_2(num_stops), 2), HAS_STOPS=num_stops > 0,
+            BLOCK=min(triton.next_power_of_2(vocab), 4096), num_warps=8)
+    return out
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

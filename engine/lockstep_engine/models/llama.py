@@ -35,9 +35,10 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend(q, k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, meta)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        # rotary and the cache write in one kernel on CUDA; attention then reads k and v from the cache
+        q = self.rotary.rotate_and_cache(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta)
         return self.o_proj(out.reshape(tokens, q_size))
 
 
