@@ -64,7 +64,7 @@ class Steps:
         return hidden
 
     def sample_local(self, hidden, t: SamplingTensors, num_generated, counts, guide, recent=None) -> SampleOutput:
-        logits = self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden)  # the sampler upcasts where it needs float32
         return self.sampler(logits, t, num_generated, counts, guide.allowed_mask() if guide else None, recent)
 
     def sample_first(self, hidden, first: FirstStep, guide) -> SampleOutput | None:
