@@ -6,8 +6,8 @@ no error event), refused (a status other than 200, with its Retry-After), broken
 event, no `[DONE]`, or a lost connection), and the wall time. Through the gateway it also samples,
 every 0.5 s, the `lockstep up` process's RSS (the gateway runs in it; the engines are other
 processes) and the gateway's queue depth, and reports the memory per queued request as (RSS at the
-deepest queue - RSS just before the burst) / that depth. Directly, it samples the engine's API
-process and reports the same per request in flight.
+deepest queue - RSS just before the burst) / that depth. Directly, it samples the engine's processes
+(API server, core, health listener) and reports their RSS before the burst and at its peak.
 
 Defaults are `lockstep up`'s and `lockstep serve`'s own (the engine on the CPU); only the burst is set:
 
@@ -68,12 +68,20 @@ class Outcome:
     load_after: str = ""
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+def rss_mib(pid: int, with_children: bool = False) -> float:
+    """VmRSS of `pid` (and of its children: the engine's core and health listener)."""
+    pids = [pid]
+    if with_children:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            pids += [int(child) for child in children.read().split()]
+    total = 0.0
+    for one in pids:
+        try:
+            with open(f"/proc/{one}/status") as status:
+                total += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+        except (OSError, StopIteration):
+            continue
+    return total
 
 
 def loadavg() -> str:
@@ -118,7 +126,7 @@ async def one_request(host: str, port: int, body: bytes, outcome: Outcome, deadl
 async def sample(pid: int, metrics_url: str | None, outcome: Outcome, stop: asyncio.Event) -> None:
     async with httpx.AsyncClient(timeout=5) as client:
         while not stop.is_set():
-            rss = rss_mib(pid)
+            rss = rss_mib(pid, with_children=metrics_url is None)
             outcome.rss_peak_mib = max(outcome.rss_peak_mib, rss)
             if metrics_url is not None:
                 try:
@@ -139,7 +147,7 @@ async def burst(target: str, host: str, port: int, pid: int, metrics_url: str | 
     body = json.dumps({"model": args.model, "prompt": list(range(100, 100 + args.prompt_tokens)),
                        "max_tokens": args.max_tokens,
                        "ignore_eos": True, "stream": True}).encode()
-    outcome.rss_before_mib = rss_mib(pid)
+    outcome.rss_before_mib = rss_mib(pid, with_children=metrics_url is None)
     outcome.load_before = loadavg()
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample(pid, metrics_url, outcome, stop))
