@@ -5,7 +5,8 @@ instant. Per target, counted from the client: served (200, the stream ended with
 no error event), refused (a status other than 200, with its Retry-After), broken (200 but an error
 event, no `[DONE]`, or a lost connection), and the wall time. Through the gateway it also samples,
 every 0.5 s, the `lockstep up` process's RSS (the gateway runs in it; the engines are other
-processes) and the gateway's queue depth, and reports the memory per queued request as (RSS at the
+processes) and the gateway's queue depth, and reports the gateway's CPU per request (all of its work:
+admission, queue, relay) and the memory per queued request as (RSS at the
 deepest queue - RSS just before the burst) / that depth. Directly, it samples the engine's processes
 (API server, core, health listener) and reports their RSS before the burst and at its peak.
 
@@ -56,6 +57,7 @@ class Outcome:
     served: int = 0
     refused: dict[str, int] = field(default_factory=dict)  # status -> count
     retry_after: list[int] = field(default_factory=list)  # distinct values seen
+    refused_examples: list[str] = field(default_factory=list)  # distinct messages, the first few
     broken: int = 0
     broken_examples: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -64,6 +66,7 @@ class Outcome:
     deepest_queue: int = 0
     rss_at_deepest_mib: float = 0.0
     kib_per_queued_request: float | None = None
+    cpu_ms_per_request: float = 0.0  # the sampled process's CPU (user + system) over the burst, per request
     load_before: str = ""
     load_after: str = ""
 
@@ -82,6 +85,12 @@ def rss_mib(pid: int, with_children: bool = False) -> float:
         except (OSError, StopIteration):
             continue
     return total
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def loadavg() -> str:
@@ -114,6 +123,9 @@ async def one_request(host: str, port: int, body: bytes, outcome: Outcome, deadl
         match = re.search(rb"(?im)^retry-after:\s*(\d+)", headers)
         if match and int(match.group(1)) not in outcome.retry_after and len(outcome.retry_after) < 20:
             outcome.retry_after.append(int(match.group(1)))
+        message = re.sub(rb"\d+", b"N", payload[-400:]).decode(errors="replace")  # one per kind, not per count
+        if message not in outcome.refused_examples and len(outcome.refused_examples) < 5:
+            outcome.refused_examples.append(message)
         return
     if b"data: [DONE]" in payload and b'"error"' not in payload:
         outcome.served += 1
@@ -149,12 +161,14 @@ async def burst(target: str, host: str, port: int, pid: int, metrics_url: str | 
                        "ignore_eos": True, "stream": True}).encode()
     outcome.rss_before_mib = rss_mib(pid, with_children=metrics_url is None)
     outcome.load_before = loadavg()
+    cpu_before = cpu_seconds(pid)
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample(pid, metrics_url, outcome, stop))
     started = time.monotonic()
     deadline = started + args.timeout
     await asyncio.gather(*(one_request(host, port, body, outcome, deadline) for _ in range(args.requests)))
     outcome.wall_s = round(time.monotonic() - started, 1)
+    outcome.cpu_ms_per_request = round((cpu_seconds(pid) - cpu_before) * 1000 / args.requests, 2)
     stop.set()
     await sampler
     outcome.load_after = loadavg()
@@ -213,6 +227,8 @@ def run_target(target: str, args) -> Outcome:
         stop(process)
     log(f"{target}: {outcome.served}/{outcome.requests} served in {outcome.wall_s}s, refused {outcome.refused}, "
         f"broken {outcome.broken} (log {log_path})")
+    for example in outcome.refused_examples + outcome.broken_examples:
+        log(f"{target}: e.g. {example}")
     return outcome
 
 
@@ -229,14 +245,14 @@ def main() -> int:
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     outcomes = [run_target(target, args) for target in args.targets]
-    print("| target | served | refused | broken | wall s | load before -> after | memory per queued request |")
-    print("|---|---|---|---|---|---|---|")
+    print("| target | served | refused | broken | wall s | load before -> after | CPU ms/request | memory |")
+    print("|---|---|---|---|---|---|---|---|")
     for o in outcomes:
         memory = f"{o.kib_per_queued_request} KiB ({o.deepest_queue} queued, RSS {o.rss_before_mib:.0f} -> " \
                  f"{o.rss_at_deepest_mib:.0f} MiB, peak {o.rss_peak_mib:.0f})" if o.kib_per_queued_request is not None \
             else f"RSS {o.rss_before_mib:.0f} -> peak {o.rss_peak_mib:.0f} MiB"
         print(f"| {o.target} | {o.served}/{o.requests} | {o.refused or 0} | {o.broken} | {o.wall_s} | "
-              f"{o.load_before} -> {o.load_after} | {memory} |")
+              f"{o.load_before} -> {o.load_after} | {o.cpu_ms_per_request} | {memory} |")
     with open(os.path.join(OUT, "burst_at_once.json"), "w") as f:
         json.dump([asdict(o) for o in outcomes], f, indent=1)
     return 0 if all(o.served == o.requests for o in outcomes) else 1

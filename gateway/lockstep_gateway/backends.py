@@ -47,6 +47,7 @@ class Backend:
     load: EngineLoad | None = None
     load_time: float = float("-inf")
     in_flight_at_scrape: int = 0
+    seats: int = 0  # the most requests it was seen running at once (routing.Candidate.seats)
     in_flight: int = 0
     breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(5, 5.0))
     # Resolved when the engine is ejected as unresponsive: attempts waiting for a first byte end.
@@ -54,7 +55,8 @@ class Backend:
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     def candidate(self, now: float) -> Candidate:
-        return Candidate(self.url, self.in_flight, self.load, now - self.load_time, self.in_flight_at_scrape)
+        return Candidate(self.url, self.in_flight, self.load, now - self.load_time, self.in_flight_at_scrape,
+                         self.seats)
 
     def unresponsive_signal(self) -> asyncio.Future:
         if self.unresponsive is None or self.unresponsive.done():
@@ -266,6 +268,7 @@ class Registry:
                 if load is not None:
                     backend.load, backend.load_time = load, time.monotonic()
                     backend.in_flight_at_scrape = backend.in_flight
+                    backend.seats = max(backend.seats, int(load.num_running))
                     self._notify(backend, "load")
         except httpx.HTTPError:
             pass  # the load goes stale and is ignored; health checks decide about ejection

@@ -50,7 +50,7 @@ PRIORITY_LIMIT = 2**63  # the engine's `priority` is a 64-bit integer
 CLIENT_CLOSED = 499
 # What a queued request holds in the gateway besides its body: its client connection, its request
 # task, the Job and the Waiter (measured with 10,000 queued: docs/GATEWAY.md, "Admission").
-QUEUED_REQUEST_OVERHEAD_BYTES = 24 << 10
+QUEUED_REQUEST_OVERHEAD_BYTES = 28 << 10
 # The drain rate follows the engines of the last half-minute or so.
 DRAIN_TIME_CONSTANT_S = 30.0
 # A rate is trusted after this many requests left a backlog over at least this much backlogged time

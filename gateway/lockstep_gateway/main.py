@@ -132,7 +132,7 @@ def add_flow_control_flags(parser: argparse.ArgumentParser) -> None:
                        help="requests queued per model at most; past it 429 + Retry-After (0 = no queue: 503 at "
                             "once when every engine is saturated or down)")
     queue.add_argument("--max-queue-bytes", type=int, default=DEFAULTS.max_queue_bytes,
-                       help="memory the queued requests may hold, over all models (bodies plus about 24 KiB each); "
+                       help="memory the queued requests may hold, over all models (bodies plus about 28 KiB each); "
                             "past it 429 + Retry-After")
     queue.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout_s,
                        help="a request is queued only if its engines, at their measured rate, reach it within "

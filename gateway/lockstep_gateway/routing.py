@@ -56,6 +56,9 @@ class Candidate:
     # The gateway's open requests on the engine when `load` was scraped: requests sent since are
     # not in the scraped queue yet, so a burst counts at once and not one scrape later.
     in_flight_at_scrape: int = 0
+    # The most requests the engine was seen running at once (its batch, as far as it filled); 0 before
+    # any scrape.
+    seats: int = 0
 
 
 def load_score(candidate: Candidate, stale_after_s: float) -> float:
@@ -69,10 +72,16 @@ def load_score(candidate: Candidate, stale_after_s: float) -> float:
 
 
 def is_saturated(candidate: Candidate, stale_after_s: float, queue_depth: int, max_in_flight: int) -> bool:
-    """An engine takes no new request past either limit (0 = no limit)."""
+    """An engine takes no new request past either limit (0 = no limit). With a queue depth, this
+    gateway also keeps at most the engine's seen batch plus that depth open on it: requests still in
+    transit, or not yet parsed by a busy engine, are in no scraped queue, and a busy engine's scrapes
+    go stale (a burst of 10,000 was all sent on, and ran the gateway out of file descriptors)."""
     if max_in_flight and candidate.in_flight >= max_in_flight:
         return True
-    return bool(queue_depth and predicted_waiting(candidate, stale_after_s) >= queue_depth)
+    if not queue_depth:
+        return False
+    return candidate.in_flight >= candidate.seats + queue_depth \
+        or predicted_waiting(candidate, stale_after_s) >= queue_depth
 
 
 def predicted_waiting(candidate: Candidate, stale_after_s: float) -> float:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from gateway_harness import MODEL, Engine
 
 from lockstep_gateway.flow_control import MIN_DRAINED, DrainRate, FlowControl, ModelQueue, QueueRefused, Waiter
+from lockstep_gateway.routing import Candidate, EngineLoad, is_saturated
 
 REFUSED = "lockstep_gateway_requests_refused_total"
 
@@ -136,6 +137,18 @@ def test_a_queued_request_waits_as_long_as_the_queue_moves_and_times_out_only_wh
     served, took, stalled, stalled_after = asyncio.run(scenario())
     assert served == ["engine"] * 40 and took > 1.5
     assert stalled.reason == "queue_timeout" and stalled.error.status == 429 and 0.9 < stalled_after < 5
+
+
+def test_this_gateway_keeps_at_most_the_engines_seen_batch_plus_the_depth_open_on_it_whatever_its_scrapes_say():
+    """Requests in transit to a busy engine are in no scraped queue, and its scrapes go stale: before,
+    a burst of 10,000 was sent on whole and ran the gateway out of file descriptors."""
+    idle_scrape = EngineLoad(num_running=256, num_waiting=0)
+    fresh = Candidate("http://a", in_flight=511, load=idle_scrape, load_age_s=0.1, in_flight_at_scrape=511, seats=256)
+    assert not is_saturated(fresh, 3.0, queue_depth=256, max_in_flight=0)
+    assert is_saturated(replace(fresh, in_flight=512), 3.0, queue_depth=256, max_in_flight=0)
+    assert is_saturated(replace(fresh, in_flight=512, load_age_s=60.0), 3.0, queue_depth=256, max_in_flight=0)
+    assert is_saturated(Candidate("http://a", in_flight=256), 3.0, queue_depth=256, max_in_flight=0)  # no scrape yet
+    assert not is_saturated(Candidate("http://a", in_flight=10**6), 3.0, queue_depth=0, max_in_flight=0)  # no limit
 
 
 # ---- real gateway and engines -------------------------------------------------------------------------
@@ -283,6 +296,6 @@ def test_an_engine_takes_a_burst_past_its_old_fixed_bound_and_refuses_past_its_m
     served = [a for a in answers if a.complete_stream]
     refused = [a for a in answers if a.status == 503]
     assert len(served) + len(refused) == 100
-    assert 2 <= len(served) <= 2 + (1 << 20) // (32 << 10) and refused
+    assert 2 <= len(served) <= 2 + (1 << 20) // (46 << 10) and refused
     assert all(a.headers["retry-after"] == "1" and a.headers["x-lockstep-retryable"] == "1" for a in refused)
     assert "--max-queued-memory-bytes" in refused[0].body.decode()

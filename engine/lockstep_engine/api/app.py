@@ -61,7 +61,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 # about 16 bytes per byte of JSON body), plus its connection, task and per-request state. Measured with
 # 10,000 at once (docs/GATEWAY.md, "Admission").
 DEFAULT_QUEUED_MEMORY_BYTES = 1 << 30
-QUEUED_REQUEST_OVERHEAD_BYTES = 32 << 10
+QUEUED_REQUEST_OVERHEAD_BYTES = 46 << 10
 HELD_BYTES_PER_BODY_BYTE = 16
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(-1: no count, --max-queued-memory-bytes bounds them)")
     server.add_argument("--max-queued-memory-bytes", type=human_readable_int, default=1 << 30,
                         help="memory the requests waiting beyond --max-num-seqs may hold (a waiting request holds "
-                             "its prompt, not KV: about 16 bytes per byte of its body plus 32 KiB); past it 503 "
+                             "its prompt, not KV: about 16 bytes per byte of its body plus 46 KiB); past it 503 "
                              "with Retry-After. e.g. 1G (GiB), 512M")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
