@@ -145,6 +145,9 @@ class EngineStats:
     num_generated_tokens: int = 0
     busy_s: float = 0.0  # forward + sample time summed over steps
     num_preemptions: int = 0
+    # Device busy time over busy + idle time of the forwards of the last few seconds (idle: the gaps
+    # between back-to-back forwards; time with no request at all does not count), 0..1
+    gpu_occupancy: float = 0.0
 
 
 @dataclass

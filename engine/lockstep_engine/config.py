@@ -111,6 +111,10 @@ class EngineConfig:
     # runs a step later. Only where the engine runs its windows alone (one rank, no pipeline
     # micro-batches): the ranks of a group run the steps the plan they were sent says.
     arrival_cuts: bool = True
+    # Overlap (vLLM's --async-scheduling): the next window is planned, prepared and launched while a
+    # window's last step runs, from that step's tokens on the device. None: on where the device runs
+    # ahead of the host (CUDA), off on the CPU. Only where one rank runs its windows alone.
+    async_scheduling: bool | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # fixed KV cache size in blocks (tests, CPU)

@@ -208,7 +208,8 @@ class CoreLoop:
             num_running=core.num_running, num_waiting=core.num_waiting, kv_cache_usage=core.blocks.usage,
             num_steps=stats.num_steps, num_windows=stats.num_windows,
             num_generated_tokens=stats.num_generated_tokens, busy_s=stats.forward_s,
-            num_preemptions=getattr(core.scheduler, "num_preemptions", 0))
+            num_preemptions=getattr(core.scheduler, "num_preemptions", 0),
+            gpu_occupancy=round(self.metrics.occupancy, 3))
         if snapshot != self.stats_snapshot:
             self.stats_snapshot = snapshot
             self.writer.send(snapshot)

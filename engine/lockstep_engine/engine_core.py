@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 from lockstep.protocol import RequestFailed, SequenceOutput, StepOutputs, TokenBatch, TokenLogprobs
@@ -42,6 +43,9 @@ class CoreStats:
     num_prompt_tokens_computed: int = 0
     num_wasted_tokens: int = 0
     num_cut_windows: int = 0  # ended before their planned steps (`step`: an arrival, a prompt's next chunk)
+    # Windows whose last step the next window handed over (overlap); the others delivered every step
+    # themselves (overlap off, or a row whose sampling needs its tokens on the host)
+    num_overlapped_windows: int = 0
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     forward_s: float = 0.0
@@ -110,6 +114,11 @@ class EngineCore:
         self._pending_release: list[Sequence] = []  # finished; blocks freed when no window is in flight
         self._busy = False  # work was left after the last window: the next one's wait counts as a gap
         self._failures: list[RequestFailed] = []  # requests failed since the last `take_failures`
+        # Overlap: a window's last step is handed over by the next window (see `step`); auto: where the
+        # device runs ahead of the host (CUDA).
+        overlap = config.async_scheduling
+        self._overlap = executor.can_defer_tail and (overlap if overlap is not None else executor.device.type == "cuda")
+        self._tail = None  # the last window's undelivered last step (`runner.host_stream.WindowTail`)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -212,8 +221,31 @@ class EngineCore:
         `should_cut` (where the executor can cut windows): asked between steps; True ends the window
         after the steps launched so far, e.g. because a request arrived that the next window can admit.
         With `arrival_cuts`, a window that computes part of a prompt (or a prompt whose samples fork
-        after it) also ends after its first step: the next chunk need not wait for the window's end."""
+        after it) also ends after its first step: the next chunk need not wait for the window's end.
+
+        With overlap (`async_scheduling`), a window's last step is left on the device (`_tail`): the
+        next window is planned as if every running row took its token, launched from those tokens on the
+        device, and hands that step over once its own first step is queued (`ModelRunner.execute_window`).
+        """
         started = time.perf_counter()
+        self._fork_ready_requests()
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            plan = self._prepare(plan)
+        schedule_s = time.perf_counter() - started
+        if plan is None:
+            self._deliver_tail()
+            self._busy = False
+            self.executor.on_idle()
+            return None
+        self._note_scheduled(plan)
+        rows = _WindowRows(plan.sampling_rows, self._pending_release)
+        cuts = _Cuts(self.config.arrival_cuts and not all(row.samples for row in plan.rows), should_cut)
+        timings = self._execute(plan, partial(self._take_step, plan, rows, emit), cuts)
+        self._complete(plan, rows, timings, schedule_s, cuts.cut)
+        return timings
+
+    def _fork_ready_requests(self) -> None:
         for request in list(self._unforked):
             try:
                 self.scheduler.fork_ready_requests([request])
@@ -221,14 +253,9 @@ class EngineCore:
                 self.fail_request(request.request_id, "forking its samples")
             if request.forked:
                 self._unforked.pop(request, None)
-        plan = self.scheduler.schedule()
-        if plan is not None:
-            plan = self._prepare(plan)
-        schedule_s = time.perf_counter() - started
-        if plan is None:
-            self._busy = False
-            self.executor.on_idle()
-            return None
+
+    def _note_scheduled(self, plan: WindowPlan) -> None:
+        """Queue times of the rows scheduled for the first time, and the window's step-1 tokens."""
         now = time.monotonic()
         for row in plan.rows:
             if row.seq.first_scheduled_time is None:
@@ -236,63 +263,67 @@ class EngineCore:
                 if row.seq.index == 0:  # forked samples inherit the request's wait
                     self.stats.queue_times_s.append(now - row.seq.request.arrival_time)
         self.stats.first_step_tokens.append(sum(row.num_new_tokens for row in plan.rows))
-        columns_start = time.perf_counter()
-        rows = _WindowRows(plan.sampling_rows, self._pending_release)
-        columns_s = time.perf_counter() - columns_start  # output work of the window: counted as such
 
-        def on_step(step: StepOutput) -> None:
-            if step.prompt_logprobs is not None:
-                for index, chunk in step.prompt_logprobs.items():
-                    request = plan.rows[index].seq.request
-                    try:
-                        chunk.extend(request)
-                    except Exception:
-                        self.fail_request(request.request_id, "taking its prompt logprobs")
-                return
-            tokens = list(step.tokens)  # the runner's list is also its guide's input: not changed here
-            outputs = []
-            for i in rows.per_row_now(step.finish):
-                token, seq = tokens[i], rows.seqs[i]
-                tokens[i] = -1  # out of the batch
-                if token < 0 or seq.is_finished:  # done at an earlier step, or stopped or aborted since
-                    continue
-                try:
-                    outputs.append(self._append_token(seq, token, step, i))
-                except Exception:
-                    self.fail_request(seq.request.request_id, "taking its sampled token")
-            batch = rows.append_batch(tokens)
-            self.stats.num_generated_tokens += len(outputs) + (len(tokens) - tokens.count(-1))
-            self.stats.step_batch_sizes.append(len(tokens))
-            emit(StepOutputs(outputs, time.monotonic(), batch))
-
-        cut = False
-        prompt_left = self.config.arrival_cuts and not all(row.samples for row in plan.rows)
-
-        def cut_now() -> bool:
-            nonlocal cut
-            cut = prompt_left or should_cut is not None and should_cut()
-            return cut
-
+    def _execute(self, plan: WindowPlan, on_step: Callable[[StepOutput], None], cuts: "_Cuts") -> WindowTimings:
+        """Runs the window on the executor, handing the previous window's tail to it and keeping its own
+        when this window may leave one."""
+        tail, self._tail = self._tail, None
+        defer = self._overlap and not any(row.seq.request.needs_host_tokens for row in plan.rows)
+        self.stats.num_overlapped_windows += defer
         self._in_flight = plan
         try:
-            timings = self.executor.execute_window(plan, on_step, continuing=self._busy,
-                                                   should_cut=cut_now if should_cut is not None or prompt_left else None)
+            return self.executor.execute_window(plan, on_step, continuing=self._busy,
+                                                should_cut=cuts.ask if cuts.active else None,
+                                                tail=tail, defer_tail=defer)
         finally:
             self._in_flight = None
+
+    def _take_step(self, plan: WindowPlan, rows: "_WindowRows", emit: Callable[[StepOutputs], None],
+                   step: StepOutput) -> None:
+        """A step's outputs as they reach the host: the prompt logprobs step 1 computed, or a token per
+        sampling row (most rows as one `TokenBatch`; finishes, logprobs and first tokens one by one)."""
+        if step.prompt_logprobs is not None:
+            for index, chunk in step.prompt_logprobs.items():
+                request = plan.rows[index].seq.request
+                try:
+                    chunk.extend(request)
+                except Exception:
+                    self.fail_request(request.request_id, "taking its prompt logprobs")
+            return
+        tokens = list(step.tokens)  # the runner's list is also its guide's input: not changed here
+        outputs = []
+        for i in rows.per_row_now(step.finish):
+            token, seq = tokens[i], rows.seqs[i]
+            tokens[i] = -1  # out of the batch
+            if token < 0 or seq.is_finished:  # done at an earlier step, or stopped or aborted since
+                continue
+            try:
+                outputs.append(self._append_token(seq, token, step, i))
+            except Exception:
+                self.fail_request(seq.request.request_id, "taking its sampled token")
+        batch = rows.append_batch(tokens)
+        self.stats.num_generated_tokens += len(outputs) + (len(tokens) - tokens.count(-1))
+        self.stats.step_batch_sizes.append(len(tokens))
+        emit(StepOutputs(outputs, time.monotonic(), batch))
+
+    def _complete(self, plan: WindowPlan, rows: "_WindowRows", timings: WindowTimings, schedule_s: float,
+                  cut: bool) -> None:
+        """The scheduler's and the statistics' side of a window that ran (its tail counted as taken)."""
         update_start = time.perf_counter()
+        accepted = rows.accepted()
+        if timings.tail is not None:
+            self._tail = self._hold_tail(timings.tail, rows.seqs, accepted)
         executed = timings.num_steps
-        self.stats.num_cut_windows += cut
-        self.stats.num_wasted_tokens += self.scheduler.complete_rows(plan.rows, _per_row(plan.rows, rows.accepted()),
-                                                                     executed)
+        stats = self.stats
+        stats.num_cut_windows += cut
+        stats.num_wasted_tokens += self.scheduler.complete_rows(plan.rows, _per_row(plan.rows, accepted), executed)
         self._release_finished()
         self._busy = self.scheduler.has_work()  # the next window follows at once: its wait is a gap
-        stats = self.stats
         stats.num_windows += 1
         stats.num_steps += executed
         stats.window_steps.append(plan.num_steps)
         stats.num_prompt_tokens_computed += sum(r.num_new_tokens for r in plan.rows if r.num_new_tokens > 1)
         stats.schedule_s += schedule_s
-        timings.output_s += columns_s
         stats.record_timings(timings)
         if self.config.is_adaptive:
             for timed in timings.steps:
@@ -300,8 +331,33 @@ class EngineCore:
                                              timed.forward_s if timed.tag.phase == "decode" else None)
         stats.update_s += time.perf_counter() - update_start
         if not self._busy:
+            self._deliver_tail()
             self.executor.on_idle()
-        return timings
+
+    @staticmethod
+    def _hold_tail(tail, seqs: list[Sequence], accepted: list[int]):
+        """A window's last step left on the device: every row still running took one more token there.
+        The next window is planned from it (`Sequence.num_pending`); it is appended when delivered."""
+        pending = []
+        for i, seq in enumerate(seqs):
+            if not seq.is_finished:
+                seq.num_pending = 1
+                accepted[i] += 1
+                pending.append(seq)
+
+        def delivered() -> None:
+            for seq in pending:
+                seq.num_pending = 0
+
+        tail.on_delivered = delivered
+        return tail
+
+    def _deliver_tail(self) -> None:
+        """Hands the last window's last step over now: no window follows to overlap it."""
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            tail.deliver()
+            self._release_finished()
 
     def _prepare(self, plan: WindowPlan) -> WindowPlan | None:
         """Prepares the sequences new to windows (`Executor.prepare`, once per sequence). A request whose
@@ -356,6 +412,22 @@ class EngineCore:
                               prompt_logprobs=prompt)
 
 
+class _Cuts:
+    """Whether a window ends before its planned steps: after its first step when it computes part of a
+    prompt (`prompt_left`: the next chunk need not wait), or when the core loop says so (`should_cut`:
+    a request arrived that the next window can admit). `cut` says whether it did."""
+
+    def __init__(self, prompt_left: bool, should_cut: Callable[[], bool] | None):
+        self.prompt_left = prompt_left
+        self.should_cut = should_cut
+        self.active = prompt_left or should_cut is not None
+        self.cut = False
+
+    def ask(self) -> bool:
+        self.cut = self.prompt_left or self.should_cut is not None and self.should_cut()
+        return self.cut
+
+
 class _WindowRows:
     """A window's sampling rows for its steps' outputs. Most rows of a decode step need only their token
     appended and sent; those go out as one `TokenBatch`, whose columns other than the tokens are built
@@ -364,7 +436,8 @@ class _WindowRows:
     def __init__(self, sampling: list[ScheduledSeq], finished: list[Sequence]):
         self.seqs = seqs = [row.seq for row in sampling]
         self._appends = [seq.token_ids.append for seq in seqs]
-        self._start_lens = [len(seq.token_ids) for seq in seqs]
+        # A token pending from the previous window's tail arrives during this one: not this window's.
+        self._start_lens = [len(seq.token_ids) + seq.num_pending for seq in seqs]
         self._columns = ([seq.request.request_id for seq in seqs], [seq.index for seq in seqs],
                          [seq.request.num_cached_tokens for seq in seqs], [seq.first_scheduled_time for seq in seqs])
         # Logprobs, or a first token (its time; the request's prompt logprobs go with it): every step.
@@ -401,8 +474,9 @@ class _WindowRows:
         self._num_seen = len(finished)
 
     def accepted(self) -> list[int]:
-        """Tokens each row took this window."""
-        return [len(seq.token_ids) - n for seq, n in zip(self.seqs, self._start_lens)]
+        """Tokens each row took this window (0 for a row whose earlier pending token never came: it was
+        stopped or aborted before that window's tail was delivered)."""
+        return [max(len(seq.token_ids) - n, 0) for seq, n in zip(self.seqs, self._start_lens)]
 
 
 def _per_row(rows: list[ScheduledSeq], accepted: list[int]) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,9 @@ from prometheus_client.utils import floatToGoString
 from lockstep import metrics_names as n
 from lockstep import protocol as p
 from lockstep import vllm_metrics as v
+
+
+OCCUPANCY_WINDOW_S = 5.0  # the span of lockstep_gpu_occupancy_ratio
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ CORE_SPECS = {s.name: s for s in (
          "(step outputs to messages) and update once per window in the engine core; detokenize and output_ipc "
          "(core -> API server) once per step message in the API server", ("phase",), n.HOST_PHASE_BUCKETS),
     Spec(n.WINDOW_CUTS, "counter", "Windows ended before their planned steps (--arrival-cuts): an arrival or a prompt's next chunk"),
+    Spec(n.OVERLAPPED_WINDOWS, "counter", "Windows whose last step was handed to the host while the next window ran "
+         "(--async-scheduling); the others handed every step over themselves (a row whose sampling needs its "
+         "tokens on the host: a grammar, penalties, bad words of several tokens; or overlap off)"),
     Spec(n.WASTED_TOKENS, "counter", "Tokens computed past a stop inside a window (the price of multi-step decode)"),
     Spec(n.QUEUE_TIME, "histogram", "Request arrival -> first scheduled", (), n.QUEUE_TIME_BUCKETS),
     Spec(n.PREEMPTIONS, "counter", "Sequences preempted (KV blocks freed, recomputed later)"),
@@ -112,9 +119,23 @@ class CoreMetrics:
         self._prompt_tokens = 0
         self._wasted = 0
         self._cuts = 0
+        self._overlapped = 0
         self._schedule_s = 0.0
         self._update_s = 0.0
+        self._recent_steps: deque[tuple[float, float, float]] = deque()  # (recorded at, busy, idle before it)
         self.changed = False
+
+    @property
+    def occupancy(self) -> float:
+        """Busy over busy + idle time of the forwards recorded in the last OCCUPANCY_WINDOW_S seconds (0
+        before any): SGLang's forward occupancy. A forward after the engine idled has no gap: waiting for
+        requests is not the device waiting for the host."""
+        recent, horizon = self._recent_steps, time.monotonic() - OCCUPANCY_WINDOW_S
+        while recent and recent[0][0] < horizon:
+            recent.popleft()
+        busy = sum(step[1] for step in recent)
+        idle = sum(step[2] for step in recent)
+        return busy / (busy + idle) if busy > 0 else 0.0
 
     def record_window(self, stats, timings) -> None:
         """Observes the window `EngineCore.step` just ran: its `WindowTimings` and `stats`, the core's
@@ -124,8 +145,10 @@ class CoreMetrics:
         first = "prefill" if prompt_delta > 0 else "decode"
         # Device timings, harvested as the device finishes them (a step may land a window late): each
         # carries its own phase and place in its window.
+        now = time.monotonic()
         for timed in timings.steps:
             phase, boundary = timed.tag.phase, "window_start" if timed.tag.step == 1 else "intra"
+            self._recent_steps.append((now, timed.forward_s, max(timed.gap_s or 0.0, 0.0)))
             s.observe(n.STEP_DURATION, (phase,), timed.forward_s)
             s.inc(n.GPU_BUSY, (phase,), timed.forward_s)
             s.inc(n.STEPS, (phase, boundary), 1)
@@ -145,8 +168,9 @@ class CoreMetrics:
             s.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
         s.inc(n.WASTED_TOKENS, (), stats.num_wasted_tokens - self._wasted)
         s.inc(n.WINDOW_CUTS, (), stats.num_cut_windows - self._cuts)
+        s.inc(n.OVERLAPPED_WINDOWS, (), stats.num_overlapped_windows - self._overlapped)
         self._prompt_tokens, self._wasted = stats.num_prompt_tokens_computed, stats.num_wasted_tokens
-        self._cuts = stats.num_cut_windows
+        self._cuts, self._overlapped = stats.num_cut_windows, stats.num_overlapped_windows
         self._schedule_s, self._update_s = stats.schedule_s, stats.update_s
         self.changed = True
 
@@ -409,6 +433,8 @@ class ServerMetrics:
             (n.REQUESTS_RUNNING, "Sequences in the running batch", stats.num_running),
             (n.REQUESTS_WAITING, "Sequences waiting to be scheduled", stats.num_waiting),
             (n.KV_CACHE_USAGE, "Fraction of KV-cache blocks in use, 0..1", stats.kv_cache_usage),
+            (n.GPU_OCCUPANCY, "Device busy time over busy + idle time of the forwards of the last "
+             f"{OCCUPANCY_WINDOW_S:g} s (idle: gaps between back-to-back forwards), 0..1", stats.gpu_occupancy),
             (n.VLLM_RUNNING, "Number of requests in model execution batches.", stats.num_running),
             (n.VLLM_WAITING, "Number of requests waiting to be processed.", stats.num_waiting),
             (n.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),

@@ -51,6 +51,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     prepared: bool = False  # its per-request window state is built (`Executor.prepare`)
+    # Tokens sampled on the device whose values have not reached the host yet: with overlap, the last step
+    # of a window is handed over while the next window runs, and that window's input for this sequence is
+    # the device's copy of the token (`runner.host_stream.WindowTail`). 0 or 1.
+    num_pending: int = 0
     sampling_row: object = None  # the runner's sampling constants for it (`runner.step_inputs.SamplingCache`)
     # The length at which max_tokens or max_model_len ends it: fixed by the request, so that the
     # scheduler's per-row `remaining_tokens` is one subtraction.
@@ -113,8 +117,14 @@ class Request:
     num_cached_tokens: int = 0
     aborted: bool = False
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.. (computed so far)
+    # Its sampling reads its own earlier tokens on the host (a grammar, penalties, bad words of several
+    # tokens): each window starts from its tokens on the host, so the window before hands every step over.
+    needs_host_tokens: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        params = self.params
+        self.needs_host_tokens = (params.guided_spec is not None or params.has_penalties
+                                  or bool(params.multi_token_bad_words))
         if not self.sequences:
             self.sequences = [Sequence(request=self, token_ids=list(self.prompt_token_ids))]
         if self.params.n == 1:

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--arrival-cuts", action=argparse.BooleanOptionalAction, default=True,
                         help="an arriving request ends the running window after its step in flight, so it "
                              "starts at the next step (--no-arrival-cuts: windows run their planned steps)")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="overlap: the next window is planned and launched while a window's last step runs "
+                             "(default: on with CUDA and one rank, off on the CPU and in engine groups)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--seed", type=int, default=0)

@@ -246,8 +246,8 @@ FLAGS: tuple[Flag, ...] = (
     _n("--disable-chunked-mm-input", _TEXT_ONLY, "bool"),
     _r("--scheduler-cls", "the scheduler is built in"),
     _n("--disable-hybrid-kv-cache-manager", "there is one KV-cache manager", "bool"),
-    _n("--async-scheduling", "the host plans once per window of N steps; planning the next window while the "
-                             "device runs one is not built", "bool"),
+    _s("--async-scheduling", "the next window is planned and launched while a window's last step runs "
+                             "(default on with CUDA and one rank; --no-async-scheduling turns it off)"),
     _r("--preemption-mode", "preemption always recomputes", accepted=("recompute", "None")),
     _n("--cuda-graph-sizes", "decode CUDA graphs are captured per batch bucket", "values"),
     # ---- whole-engine configs (VllmConfig) --------------------------------------------------

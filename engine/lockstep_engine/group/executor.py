@@ -43,10 +43,14 @@ class Executor(Protocol):
     def prepare(self, row: ScheduledSeq) -> None: ...  # raises for this row's request alone (see LocalExecutor)
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False, should_cut: Callable[[], bool] | None = None) -> WindowTimings: ...
+                       continuing: bool = False, should_cut: Callable[[], bool] | None = None,
+                       tail: object = None, defer_tail: bool = False) -> WindowTimings: ...
 
     @property
     def can_cut_windows(self) -> bool: ...  # whether execute_window heeds should_cut
+
+    @property
+    def can_defer_tail(self) -> bool: ...  # whether a window's last step may be handed over by the next (overlap)
 
     def use_attention_backend(self, name: str) -> None: ...  # "auto": the runner's own
 
@@ -93,12 +97,20 @@ class LocalExecutor:
             runner.guide_factory([row])
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False, should_cut: Callable[[], bool] | None = None) -> WindowTimings:
-        return self.runner.execute_window(plan, on_step, continuing, should_cut if self.can_cut_windows else None)
+                       continuing: bool = False, should_cut: Callable[[], bool] | None = None,
+                       tail: object = None, defer_tail: bool = False) -> WindowTimings:
+        return self.runner.execute_window(plan, on_step, continuing, should_cut if self.can_cut_windows else None,
+                                          tail, defer_tail and self.can_defer_tail)
 
     @property
     def can_cut_windows(self) -> bool:
         """One rank without pipeline micro-batches: nobody else runs this window's steps."""
+        return self.micro_batches == 1
+
+    @property
+    def can_defer_tail(self) -> bool:
+        """One rank without pipeline micro-batches: the next window's inputs can come from this rank's
+        device state alone."""
         return self.micro_batches == 1
 
     def use_attention_backend(self, name: str) -> None:
@@ -124,14 +136,22 @@ class GroupExecutor(LocalExecutor):
         self._encoder = PlanEncoder()
 
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False, should_cut: Callable[[], bool] | None = None) -> WindowTimings:
-        """Every rank runs all the plan's steps (their collectives pair up step by step): no cuts."""
+                       continuing: bool = False, should_cut: Callable[[], bool] | None = None,
+                       tail: object = None, defer_tail: bool = False) -> WindowTimings:
+        """Every rank runs all the plan's steps (their collectives pair up step by step): no cuts, and
+        every step is handed over in its own window (the workers' plans carry tokens from the host)."""
+        if tail is not None:
+            raise RuntimeError("an engine group's window cannot take a window tail")
         self.check_health()
         self._send(WINDOW, self._encoder.encode(plan), "the window plan")
         return self.runner.execute_window(plan, on_step, continuing)
 
     @property
     def can_cut_windows(self) -> bool:
+        return False
+
+    @property
+    def can_defer_tail(self) -> bool:
         return False
 
     def use_attention_backend(self, name: str) -> None:

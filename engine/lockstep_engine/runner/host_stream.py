@@ -7,6 +7,7 @@ import time
 from collections import deque
 from typing import Callable
 
+import numpy as np
 import torch
 
 from lockstep_engine.runner.outputs import StepOutput, WindowTimings
@@ -68,13 +69,20 @@ class HostRing:
 
 class StepStream:
     """Hands each step's tokens to the host callback: at once (sync) or as its async copy into a slot of
-    the runner's `HostRing` lands."""
+    the runner's `HostRing` lands.
 
-    def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings, ring: HostRing | None):
+    With `hold_last`, a synchronous step is handed over at the next push or drain rather than at once, so
+    that a window's last step can still be handed to the next window (`WindowTail`) where the device does
+    not run ahead of the host (the CPU)."""
+
+    def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings, ring: HostRing | None,
+                 hold_last: bool = False):
         self.on_step = on_step
         self.timings = timings
         self.ring = ring
+        self.hold_last = hold_last
         self.pending: deque[tuple[int, HostSlot, bool]] = deque()
+        self._held: tuple[int, list, bool] | None = None
         self.last_tokens: list[int] = []
 
     def push(self, step: int, emitted: torch.Tensor, out, sync: bool) -> None:
@@ -86,7 +94,12 @@ class StepStream:
                 tensors += [out.top_ids, out.top_logprobs]
         packed = emitted.dim() == 2
         if sync:
-            self._deliver(step, [x.tolist() for x in tensors], packed)
+            values = [x.tolist() for x in tensors]
+            if self.hold_last:
+                self._deliver_held()
+                self._held = (step, values, packed)
+            else:
+                self._deliver(step, values, packed)
             return
         slot = self.ring.acquire()
         slot.copy_from(tensors, self.ring.allocate)
@@ -100,6 +113,13 @@ class StepStream:
             step, slot, packed = self.pending.popleft()
             slot.event.synchronize()
             self._deliver_slot(step, slot, packed)
+        if keep == 0:
+            self._deliver_held()
+
+    def _deliver_held(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._deliver(*held)
 
     def _deliver_slot(self, step: int, slot: HostSlot, packed: bool) -> None:
         values = slot.values()
@@ -117,3 +137,37 @@ class StepStream:
         started = time.perf_counter()
         self.on_step(out)
         self.timings.output_s += time.perf_counter() - started
+
+
+class WindowTail:
+    """A window's last step, launched but not handed to the host yet (overlap: the host plans the next
+    window meanwhile). The next window's first step takes each continuing row's token and done flag from
+    `tokens` and `done` on the device, and hands this step over (`deliver`) once its own first step is
+    queued, so the device runs the next window while the host reads this one.
+
+    `tokens` (each row's last token) and `finish` (its finish code at the last step, FINISH_*) are the
+    window's device state after its last step ([rows] of its sampling rows, in the window's order): the
+    next window reads them in its first step, queued before anything that overwrites them. A row that
+    finished at that step runs in the next window as a done row (no writes, no tokens) until the host
+    learns of its finish."""
+
+    def __init__(self, stream: StepStream, tokens: torch.Tensor, finish: torch.Tensor, seqs: list):
+        self._stream = stream
+        self.tokens = tokens
+        self.finish = finish
+        self._row_of = {seq: row for row, seq in enumerate(seqs)}
+        self.on_delivered: Callable[[], None] | None = None
+        self.delivered = False
+
+    def source_rows(self, seqs: list) -> np.ndarray:
+        """Each sequence's row in this window (KeyError: a sequence this window did not run)."""
+        return np.fromiter(map(self._row_of.__getitem__, seqs), np.int64, len(seqs))
+
+    def deliver(self) -> None:
+        """Hands the last step to the host callback (once; waits for its copy to land)."""
+        if self.delivered:
+            return
+        self.delivered = True
+        self._stream.drain()
+        if self.on_delivered is not None:
+            self.on_delivered()

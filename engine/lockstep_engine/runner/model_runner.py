@@ -21,7 +21,7 @@ from lockstep_engine.log import log
 from lockstep_engine.models.llama import LlamaForCausalLM
 from lockstep_engine.parallel import SINGLE, ParallelState, head_weight_in_layers, stage_layers
 from lockstep_engine.runner.cuda_graphs import DecodeGraphs
-from lockstep_engine.runner.host_stream import HostRing, StepStream
+from lockstep_engine.runner.host_stream import HostRing, StepStream, WindowTail
 from lockstep_engine.runner.outputs import Guide, GuideFactory, StepOutput, StepTag, WindowTimings
 from lockstep_engine.runner.pipelined import run_pipelined
 from lockstep_engine.runner.step_clock import StepClock
@@ -232,20 +232,28 @@ class ModelRunner:
     # ---- a window ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_window(self, plan: WindowPlan, on_step: Callable[[StepOutput], None],
-                       continuing: bool = False, should_cut: Callable[[], bool] | None = None) -> WindowTimings:
+                       continuing: bool = False, should_cut: Callable[[], bool] | None = None,
+                       tail: WindowTail | None = None, defer_tail: bool = False) -> WindowTimings:
         """Runs a window's steps; `on_step` gets each step's outputs as they reach the host.
 
         With `should_cut`, it is asked before each step from the second on, after the outputs of all
         but the last CUT_LAUNCH_AHEAD launched steps were handed over: True ends the window there
-        (`timings.num_steps` says how many steps ran). The device keeps a step queued meanwhile."""
+        (`timings.num_steps` says how many steps ran). The device keeps a step queued meanwhile.
+
+        Overlap: `tail` is the previous window's last step, not handed over yet; this window's rows
+        that continue from it take their tokens from it on the device, and it is delivered (to its own
+        window's callback) as soon as this window's first step is queued. With `defer_tail` this window
+        leaves its own last step undelivered in `timings.tail` in the same way."""
         started = time.perf_counter()
         self.copy_blocks(plan.block_copies)
         if self.micro_batches > 1 and len(plan.rows) > 1:
+            if tail is not None:
+                raise RuntimeError("a window tail cannot be carried into pipeline micro-batches")
             return run_pipelined(self.steps, self.clock, self.host_ring, self._make_guide, self.micro_batches,
                                  plan, on_step, continuing, started)
         steps = self.steps
         timings = WindowTimings()
-        first = steps.first_step(plan.rows)
+        first = steps.first_step(plan.rows, tail)
         sampling_rows = first.sampling_rows
         timings.prepare_s = time.perf_counter() - started
 
@@ -253,9 +261,11 @@ class ModelRunner:
         clock.begin_window(continuing)
         graph = self._decode_window_graph(plan, first)
         if graph is not None:
-            return self._replay_window(graph, plan.num_steps, rows_n, on_step, timings, should_cut)
+            return self._replay_window(graph, plan.num_steps, sampling_rows, on_step, timings, should_cut, tail,
+                                       defer_tail)
         clock.start(StepTag(1, first_step_phase(plan), rows_n))
         hidden = steps.forward(first.input_ids, first.positions, first.meta)
+        _deliver(tail, timings)
         if first.prompt is not None and hidden is not None:  # before any token of the window
             on_step(StepOutput(1, [], prompt_logprobs=steps.prompt_logprobs(hidden, first)))
         if not sampling_rows:
@@ -273,7 +283,7 @@ class ModelRunner:
         # whole window is launched without waiting; tokens reach the host as each step's copy lands.
         # The choice depends on the plan only, so every rank of a group loops alike.
         stream_async = self.device.type == "cuda" and not has_guided_rows(sampling_rows)
-        outputs = StepStream(on_step, timings, self.host_ring)
+        outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail and not stream_async)
         outputs.push(1, state.emitted, out, sync=not stream_async)
         if guide is not None:
             guide.accept(outputs.last_tokens)
@@ -297,8 +307,21 @@ class ModelRunner:
             outputs.push(step, emitted, out, sync=not stream_async)
             if guide is not None:
                 guide.accept(outputs.last_tokens)
-        outputs.drain()
-        timings.steps = clock.harvest()
+        last = graph.inputs if graph is not None else {"tokens": state.tokens, "emitted": state.emitted}
+        return self._end_window(outputs, timings, sampling_rows, last, defer_tail)
+
+    def _end_window(self, outputs: StepStream, timings: WindowTimings, sampling_rows, last: dict,
+                    defer_tail: bool) -> WindowTimings:
+        """Hands the window's steps over, all of them or all but the last (`WindowTail`, with `last`: the
+        device's tokens and emitted [token, finish] rows after the last step)."""
+        rows = len(sampling_rows)
+        if defer_tail:
+            outputs.drain(keep=1)
+            timings.tail = WindowTail(outputs, last["tokens"][:rows], last["emitted"][1, :rows],
+                                      [row.seq for row in sampling_rows])
+        else:
+            outputs.drain()
+        timings.steps = self.clock.harvest()
         return timings
 
     def _decode_window_graph(self, plan: WindowPlan, first: FirstStep):
@@ -314,11 +337,12 @@ class ModelRunner:
             return None
         return self.graphs.begin(state)
 
-    def _replay_window(self, graph, num_steps: int, rows_n: int, on_step: Callable[[StepOutput], None],
-                       timings: WindowTimings, should_cut: Callable[[], bool] | None) -> WindowTimings:
+    def _replay_window(self, graph, num_steps: int, sampling_rows, on_step: Callable[[StepOutput], None],
+                       timings: WindowTimings, should_cut: Callable[[], bool] | None, tail: WindowTail | None,
+                       defer_tail: bool) -> WindowTimings:
         """All steps of a decode-only window as graph replays; tokens stream as each step's copy lands."""
-        clock = self.clock
-        outputs = StepStream(on_step, timings, self.host_ring)
+        clock, rows_n = self.clock, len(sampling_rows)
+        outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail and self.host_ring is None)
         emitted = graph.inputs["emitted"][:, :rows_n]
         for step in range(1, num_steps + 1):
             if step > 1 and should_cut is not None and _cut(outputs, should_cut):
@@ -326,11 +350,19 @@ class ModelRunner:
             clock.start(StepTag(step, "decode", rows_n))
             graph.graph.replay()
             clock.end()
+            if step == 1:
+                _deliver(tail, timings)
             timings.num_steps = step
             outputs.push(step, emitted, None, sync=self.host_ring is None)
-        outputs.drain()
-        timings.steps = clock.harvest()
-        return timings
+        return self._end_window(outputs, timings, sampling_rows, graph.inputs, defer_tail)
+
+
+def _deliver(tail: WindowTail | None, timings: WindowTimings) -> None:
+    """Hands the previous window's last step over, its host time counted as this window's output work."""
+    if tail is not None:
+        started = time.perf_counter()
+        tail.deliver()
+        timings.output_s += time.perf_counter() - started
 
 
 # Steps launched ahead of the host when a window may be cut: one runs while the host reads the one

@@ -81,6 +81,9 @@ class WindowTimings:
     # Forwards whose device timing completed since the previous window's harvest, oldest first: mostly
     # this window's, plus earlier ones still running when their own window ended.
     steps: list[StepTiming] = field(default_factory=list)
+    # The window's last step when it was left undelivered for the next window to hand over (overlap):
+    # a `runner.host_stream.WindowTail`; None when every step was delivered.
+    tail: object = None
 
 
 class Guide(Protocol):

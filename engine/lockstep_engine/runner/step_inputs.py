@@ -80,6 +80,7 @@ _max_steps = attrgetter("max_steps")
 _remaining = attrgetter("remaining_tokens")
 _prompt_ids = attrgetter("seq.request.prompt_token_ids")
 _token_ids = attrgetter("seq.token_ids")
+_num_pending = attrgetter("seq.num_pending")
 
 
 class BlockTables:
@@ -138,6 +139,8 @@ def first_step_arrays(rows, block_size: int, sink_block: int, tables: BlockTable
     block_table: [rows, max_blocks] padded with the sink block (from `tables` when given); sample_index
     (flattened index of each sampling row's last token), sample_sel (its row), num_generated, max_steps,
     budget (tokens it may still sample before max_tokens or max_model_len end it): [sampling rows].
+    Rows whose sequence has a token pending on the device (`Sequence.num_pending`) are carried: they are
+    decode rows, and carry_token / carry_sample [carried rows] say where their device tokens go.
     """
     num_rows = len(rows)
     start = np.fromiter(map(_start, rows), np.int64, num_rows)
@@ -150,13 +153,15 @@ def first_step_arrays(rows, block_size: int, sink_block: int, tables: BlockTable
         block_table = tables.build(rows)
     else:
         block_table = pad_rows([row.seq.block_ids for row in rows], sink_block)
-    if num_tokens == num_rows:  # decode rows only: one token each, the sequence's last
+    carried = np.flatnonzero(np.fromiter(map(_num_pending, rows), bool, num_rows))
+    if num_tokens == num_rows and not carried.size:  # decode rows only: one token each, the sequence's last
         input_ids = np.fromiter(map(getitem, map(_token_ids, rows), start.tolist()), np.int64, num_rows)
         token_row = np.arange(num_rows)
         positions = start
     else:
+        # A carried row's one token is still on the device (0 here: `carry_index` says where it goes).
         input_ids = np.fromiter(chain.from_iterable(
-            row.seq.token_ids[row.start_computed:row.start_computed + row.num_new_tokens] for row in rows),
+            row.seq.token_ids[row.start_computed:row.start_computed + row.num_new_tokens] or (0,) for row in rows),
             np.int64, num_tokens)
         token_row = np.repeat(np.arange(num_rows), num_new)
         positions = start[token_row] + np.arange(num_tokens) - query_start[token_row]
@@ -166,7 +171,7 @@ def first_step_arrays(rows, block_size: int, sink_block: int, tables: BlockTable
     count = len(sampling_rows)
     # A sampling row's tokens end where its step 1 ends: its outputs so far are seq_lens - prompt length.
     prompt_lens = np.fromiter(map(len, map(_prompt_ids, sampling_rows)), np.int64, count)
-    return {
+    arrays = {
         "input_ids": input_ids, "positions": positions, "slots": slots, "query_start": query_start,
         "seq_lens": seq_lens, "block_table": block_table,
         "sample_index": query_start[1:][sample_sel] - 1, "sample_sel": sample_sel,
@@ -174,6 +179,12 @@ def first_step_arrays(rows, block_size: int, sink_block: int, tables: BlockTable
         "max_steps": np.fromiter(map(_max_steps, sampling_rows), np.int64, count),
         "budget": np.fromiter(map(_remaining, sampling_rows), np.int64, count),
     }
+    if carried.size:
+        # Where each carried row's token goes: its flattened token index, and its index among the sampling
+        # rows (whose device state starts from the previous window's: `Steps.first_step`).
+        arrays["carry_token"] = query_start[carried]
+        arrays["carry_sample"] = np.searchsorted(sample_sel, carried)
+    return arrays
 
 
 class PromptRows(NamedTuple):

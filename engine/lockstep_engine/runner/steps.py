@@ -16,6 +16,7 @@ import torch
 
 from lockstep_engine.attention import AttentionMetadata
 from lockstep_engine.parallel import ParallelState, broadcast_from_sampler, pp_isend, pp_recv, pp_send
+from lockstep_engine.runner.host_stream import WindowTail
 from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, PromptLogprobs
 from lockstep_engine.runner.step_inputs import (BlockTables, SamplingCache, first_step_arrays, output_counts,
                                                 prompt_logprob_rows, sampling_arrays, sampling_tensors, to_device)
@@ -159,11 +160,17 @@ class Steps:
         state.done = state.done | hit_stop | (state.steps_done >= state.max_steps)
 
     # ---- a window's state -------------------------------------------------------------------
-    def first_step(self, rows) -> FirstStep:
-        """Step 1 of a window: every row's scheduled tokens, flattened, and its sampling rows."""
+    def first_step(self, rows, tail: WindowTail | None = None) -> FirstStep:
+        """Step 1 of a window: every row's scheduled tokens, flattened, and its sampling rows. A row whose
+        last token is still on the device (the previous window's `tail`, not handed to the host yet) takes
+        that token, and its done flag, from the device."""
         host = first_step_arrays(rows, self.block_size, self.num_blocks, self.block_tables)
         sample_sel = host["sample_sel"]
         sampling_rows = list(rows) if sample_sel.size == len(rows) else [rows[i] for i in sample_sel.tolist()]
+        if "carry_sample" in host:
+            if tail is None:
+                raise RuntimeError("a row's last token is pending on the device, but no window tail carries it")
+            host["carry_source"] = tail.source_rows([sampling_rows[i].seq for i in host["carry_sample"].tolist()])
         decode_only = host["input_ids"].size == len(rows)
         # A decode row predicts no prompt token: windows of sampling decode rows only look no further.
         prompt = None if decode_only and len(sampling_rows) == len(rows) else prompt_logprob_rows(
@@ -178,6 +185,13 @@ class Steps:
             t = sampling_tensors(sampling, views, len(sampling_rows), vocab, self.device)
             if sampling.penalties:
                 counts = output_counts(views, len(sampling_rows), vocab, self.device)
+        initial_done = None
+        if "carry_source" in views:
+            # Device to device, queued behind the previous window's last step: no host sync.
+            source = views["carry_source"]
+            views["input_ids"].index_copy_(0, views["carry_token"], tail.tokens.index_select(0, source))
+            initial_done = torch.zeros(len(sampling_rows), dtype=torch.bool, device=self.device)
+            initial_done.index_copy_(0, views["carry_sample"], tail.finish.index_select(0, source).ne(FINISH_NONE))
         seq_lens = host["seq_lens"]
         meta = AttentionMetadata(
             slot_mapping=views["slots"], block_tables=views["block_table"], seq_lens=views["seq_lens"],
@@ -191,7 +205,7 @@ class Steps:
             max_steps=views["max_steps"], budget=views["budget"],
             max_dec_len=int(seq_lens[host["sample_sel"]].max(initial=0)),
             prompt=prompt, prompt_index=views.get("prompt_index"), prompt_targets=views.get("prompt_targets"),
-            recent=views.get("recent"))
+            recent=views.get("recent"), initial_done=initial_done)
 
     def decode_state(self, first: FirstStep, out: SampleOutput) -> DecodeState:
         """Device state of the decode steps after step 1, with step 1's samples fed back."""
@@ -206,9 +220,10 @@ class Steps:
 
     def _state(self, first: FirstStep, tokens, positions, table) -> DecodeState:
         n = len(first.sampling_rows)
+        done = first.initial_done if first.initial_done is not None else \
+            torch.zeros(n, dtype=torch.bool, device=self.device)
         return DecodeState(
-            tokens=tokens, positions=positions, table=table,
-            done=torch.zeros(n, dtype=torch.bool, device=self.device),
+            tokens=tokens, positions=positions, table=table, done=done,
             steps_done=torch.zeros(n, dtype=torch.int64, device=self.device),
             max_steps=first.max_steps, budget=first.budget, num_generated=first.num_generated,
             sampling=first.sampling, counts=first.counts, recent=first.recent)

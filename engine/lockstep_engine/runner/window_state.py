@@ -53,6 +53,9 @@ class FirstStep:
     prompt_index: torch.Tensor | None = None  # [positions] flattened token index (`PromptRows`)
     prompt_targets: torch.Tensor | None = None  # [positions] the prompt token each position predicts
     recent: torch.Tensor | None = None  # [sampling rows, H] latest outputs before the window (bad words)
+    # [sampling rows] bool: rows carried from the previous window that ended there on the device (their
+    # finish reaches the host with that window's last step); None: no row is done at the start
+    initial_done: torch.Tensor | None = None
 
 
 def has_guided_rows(rows) -> bool:
