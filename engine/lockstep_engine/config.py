@@ -23,6 +23,12 @@ DEFAULT_BATCHED_TOKENS = 8192
 # 199 and 178 ms. Sharegpt-shaped prompts (at most 1024 tokens) are never cut by it.
 DEFAULT_LONG_PREFILL_TOKENS = 1024
 AUTO = "auto"
+# --attention-backend: auto picks per phase on the device (lockstep_engine.attention_backends); flash-attn
+# needs the optional `flash-attn` extra. VLLM_ATTENTION_BACKENDS: vLLM's names for the same kernels
+# (its VLLM_ATTENTION_BACKEND variable).
+ATTENTION_BACKENDS = ("auto", "triton", "flash-attn", "torch")
+VLLM_ATTENTION_BACKENDS = {"TRITON_ATTN": "triton", "FLASH_ATTN": "flash-attn", "TORCH_SDPA": "torch"}
+
 SCHEDULING_POLICIES = ("fcfs", "lof", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
@@ -128,7 +134,7 @@ class EngineConfig:
     # Decoder layers per pipeline stage, e.g. "19,11" (vLLM: VLLM_PP_LAYER_PARTITION); None: balanced by
     # the weight each stage reads per step (`parallel.stage_layers`).
     pipeline_layer_partition: tuple[int, ...] | None = None
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "triton", "flash-attn", "torch"] = "auto"  # ATTENTION_BACKENDS
     enforce_eager: bool = False
     # The server's engine core compiles kernels and captures graphs before it reports ready (`warmup`);
     # True skips that (faster start, slower first requests). The offline `LLM` never warms up.
@@ -177,8 +183,8 @@ class EngineConfig:
                      "an integer in [1, 64]")
         object.__setattr__(self, "pipeline_layer_partition",
                            parse_layer_partition(self.pipeline_layer_partition, self.pipeline_parallel_size))
-        _require(self.attention_backend in ("auto", "torch", "triton"), "attention_backend", self.attention_backend,
-                 "one of auto, torch, triton")
+        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
+                 "one of " + ", ".join(ATTENTION_BACKENDS))
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", self.max_logprobs, "an integer in [0, 100]")
 
     @property

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep_engine import layers
-
 _MASK64 = (1 << 64) - 1
 ANY_TOKEN = -2  # in a bad word's right-aligned prefix: the place before a shorter word's first token
 
@@ -88,14 +86,19 @@ class SampleOutput:
 
 
 class Sampler:
+    def __init__(self, kernels_for=None):
+        """kernels_for: logits -> the fused kernels module to run on them, or None for the torch ops
+        (`layers.fused_kernels_for`; the runner passes it, the sampler imports no kernels itself)."""
+        self.kernels_for = kernels_for
+
     def __call__(self, logits: torch.Tensor, t: SamplingTensors, num_generated: torch.Tensor,
                  output_counts: torch.Tensor | None, allowed: torch.Tensor | None = None,
                  recent: torch.Tensor | None = None) -> SampleOutput:
         # logits: [rows, vocab] in the model's dtype or float32; num_generated: [rows] output tokens so far;
         # allowed: [rows, vocab] bool from guided decoding (None: unconstrained);
         # recent: [rows, H] the latest outputs, with bad words of several tokens (`ban_bad_words`)
-        if self._plain_greedy(t, allowed):
-            fused = layers.fused_kernels_for(logits)
+        if self.kernels_for is not None and self._plain_greedy(t, allowed):
+            fused = self.kernels_for(logits)
             if fused is not None:
                 # one kernel over the logits as the model wrote them: no float32 copy, ban and argmax fused
                 return SampleOutput(tokens=fused.greedy_sample(logits, t.stop_ids, t.min_tokens, num_generated))

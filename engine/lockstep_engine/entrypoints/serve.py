@@ -21,8 +21,10 @@ from dataclasses import fields
 
 from lockstep_common.argparsing import ArgumentParser, port_number
 from lockstep_engine.config import (
+    ATTENTION_BACKENDS,
     DEFAULT_LONG_PREFILL_TOKENS,
     SCHEDULING_POLICIES,
+    VLLM_ATTENTION_BACKENDS,
     ConfigError,
     EngineConfig,
     num_scheduler_steps_arg,
@@ -116,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--tokenizer", default=None)
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    engine.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
+                        default=VLLM_ATTENTION_BACKENDS.get(os.environ.get("VLLM_ATTENTION_BACKEND", ""), "auto"),
+                        help="paged attention kernels: auto (per phase, the measured fastest on this GPU), triton, "
+                             "flash-attn (FlashAttention-4: pip install 'lockstep[flash-attn]'), torch; default "
+                             "from VLLM_ATTENTION_BACKEND (TRITON_ATTN, FLASH_ATTN, TORCH_SDPA) when set")
     engine.add_argument("--enforce-eager", action="store_true")
     engine.add_argument("--skip-warmup", action="store_true",
                         help="report ready without compiling kernels and capturing graphs first (the first "

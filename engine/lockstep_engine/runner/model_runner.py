@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from lockstep_engine.attention import TorchPagedAttention
+from lockstep_engine.attention_backends import make_backend
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.log import log
 from lockstep_engine.models.llama import LlamaForCausalLM
@@ -59,24 +59,6 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
     if device.type == "cpu":
         return torch.float32
     return torch.float16 if "float16" == checkpoint_dtype else torch.bfloat16
-
-
-def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device):
-    """torch on the CPU; on CUDA the Triton kernels unless `torch` is asked for (or Triton can't run)."""
-    if device.type != "cuda":
-        if name == "triton":
-            raise ValueError("attention_backend='triton' needs device='cuda' (expected torch or auto on the CPU)")
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
-    if name == "torch":
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
-    try:
-        from lockstep_engine.kernels.triton_attention import TritonPagedAttention
-
-        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
-    except (ImportError, ValueError) as error:
-        if name == "triton":
-            raise ValueError(f"attention_backend='triton' is unavailable: {error}") from error
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
 
 
 class ModelRunner:

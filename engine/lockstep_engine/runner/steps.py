@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from lockstep_engine.attention import AttentionMetadata
+from lockstep_engine.layers import fused_kernels_for
 from lockstep_engine.parallel import ParallelState, broadcast_from_sampler, pp_isend, pp_recv, pp_send
 from lockstep_engine.runner.host_stream import WindowTail
 from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, PromptLogprobs
@@ -41,7 +42,7 @@ class Steps:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.sink_slot = num_blocks * block_size  # the extra last block of every layer's cache
         self.max_model_len = max_model_len
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused_kernels_for)
         self.sampling_cache = SamplingCache(vocab_size, eos_token_ids)
         self.block_tables = BlockTables(num_blocks)
 
