@@ -32,6 +32,11 @@ from lockstep_engine.api.openai_models import ChatCompletionRequest, OpenAIModel
 from lockstep_engine.api.sse import SSE_HEADERS
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# vLLM's sampling extras, read from the body as on the chat endpoint (the `anthropic` SDK sends them as extra_body).
+SAMPLING_EXTRAS = ("seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
+                   "min_tokens", "logit_bias", "bad_words", "allowed_token_ids", "structured_outputs", "guided_json",
+                   "guided_regex", "guided_choice", "guided_grammar", "skip_special_tokens",
+                   "include_stop_str_in_output", "priority", "stop_token_ids")
 
 
 class MessagesRequest(OpenAIModel):
@@ -159,8 +164,9 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         messages += _message(message, index)
     tool_choice, parallel = _chat_tool_choice(body.tool_choice)
     user = (body.metadata or {}).get("user_id")
+    extras = {name: value for name, value in (body.model_extra or {}).items() if name in SAMPLING_EXTRAS}
     return ChatCompletionRequest.model_validate({
-        "model": body.model, "messages": messages, "max_tokens": body.max_tokens, "temperature": body.temperature,
+        **extras, "model": body.model, "messages": messages, "max_tokens": body.max_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences, "stream": body.stream,
         "tools": None if body.tools is None else [_chat_tool(tool, i) for i, tool in enumerate(body.tools)],
         "tool_choice": tool_choice, "parallel_tool_calls": parallel,
@@ -225,7 +231,7 @@ class _Reply:
         called a tool."""
         blocks = [_thinking(thinking)] if thinking else []
         if self.tool_call is None:
-            return blocks + [{"type": "text", "text": text or ""}], False
+            return blocks + ([{"type": "text", "text": text}] if text or not blocks else []), False
         content, calls = self.tool_call.calls_from_text(text or "")
         if content:
             blocks.append({"type": "text", "text": content})

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from lockstep_engine.api import tools
+from lockstep_engine.api import reasoning, tools
 from lockstep_engine.api.client import EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.errors import APIError, error_body
 from lockstep_engine.api.responses_input import ResponsesRequest, chat_request, check_supported, text_format
@@ -65,7 +65,9 @@ class _Reply:
     temperature: float
     top_p: float
     tool_call: tools.ToolCalling | None
+    reasoning_parser: str | None = None  # --reasoning-parser: the <think> text is a reasoning item
     message_id: str = field(default_factory=lambda: _new_id("msg"))
+    reasoning_id: str = field(default_factory=lambda: _new_id("rs"))
     sequence_number: int = 0
 
     @property
@@ -97,14 +99,25 @@ class _Reply:
         return {"type": "message", "id": self.message_id, "role": "assistant", "status": status,
                 "content": [_text_part(text)]}
 
-    def output(self, status: str) -> list[dict]:
-        """The finished output items: the message, and with tools the calls read from the text."""
-        text = self.sequence.text
+    def reasoning_item(self, text: str, status: str) -> dict:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None}
+
+    def output(self, status: str, parts: tuple[str | None, str] | None = None) -> list[dict]:
+        """The finished output items: the reasoning (with --reasoning-parser), the message, and with tools the
+        calls read from the text. `parts`: (reasoning, text) as a stream split them."""
+        text, thinking = self.sequence.text, None
+        if parts is not None:
+            thinking, text = parts
+        elif self.reasoning_parser is not None:
+            thinking, text = reasoning.split(self.reasoning_parser, text)
+            text = text or ""
         item_status = "completed" if status == "completed" else "incomplete"
+        items = [self.reasoning_item(thinking, item_status)] if thinking else []
         if self.tool_call is None:
-            return [self.message(text, item_status)]
+            return items + [self.message(text, item_status)]
         content, calls = self.tool_call.calls_from_text(text)
-        items = [self.message(content, item_status)] if content else []
+        items += [self.message(content, item_status)] if content else []
         items += [{"type": "function_call", "id": _new_id("fc"), "call_id": _new_id("call"), "name": call.name,
                    "arguments": call.arguments, "status": item_status} for call in calls]
         return items
@@ -150,8 +163,32 @@ def _message_closing(reply: _Reply, index: int, item: dict) -> str:
             + reply.event("response.output_item.done", output_index=index, item=item))
 
 
+def _reasoning_opening(reply: _Reply, index: int) -> str:
+    item = {**reply.reasoning_item("", "in_progress"), "content": []}
+    return (reply.event("response.output_item.added", output_index=index, item=item)
+            + reply.event("response.content_part.added", item_id=reply.reasoning_id, output_index=index,
+                          content_index=0, part={"type": "reasoning_text", "text": ""}))
+
+
+def _reasoning_delta(reply: _Reply, index: int, delta: str) -> str:
+    return reply.event("response.reasoning_text.delta", item_id=reply.reasoning_id, output_index=index,
+                       content_index=0, delta=delta)
+
+
+def _reasoning_closing(reply: _Reply, index: int, item: dict) -> str:
+    part = item["content"][0]
+    return (reply.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=part["text"])
+            + reply.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                          part=part)
+            + reply.event("response.output_item.done", output_index=index, item=item))
+
+
 def _whole_item(reply: _Reply, index: int, item: dict) -> str:
     """The events of an item sent at once (tool-call output is parsed only when the text is complete)."""
+    if item["type"] == "reasoning":
+        return _reasoning_opening(reply, index) + _reasoning_delta(reply, index, item["content"][0]["text"]) + \
+            _reasoning_closing(reply, index, item)
     if item["type"] == "message":
         return _message_opening(reply, index) + _text_delta(reply, index, item["content"][0]["text"]) + \
             _message_closing(reply, index, item)
@@ -172,6 +209,11 @@ async def _events(serving, reply: _Reply) -> AsyncIterator[str]:
         yield reply.event("response.created", response=started) + reply.event("response.in_progress",
                                                                                 response=started)
         streams_text = reply.tool_call is None
+        if streams_text and reply.reasoning_parser is not None:
+            async for events in _reasoning_events(serving, reply):
+                yield events
+            completed = True
+            return
         if streams_text:
             yield _message_opening(reply, 0)
         sent = 0
@@ -210,6 +252,44 @@ async def _events(serving, reply: _Reply) -> AsyncIterator[str]:
             serving.client.abort(generation)
 
 
+async def _reasoning_events(serving, reply: _Reply) -> AsyncIterator[str]:
+    """A streamed text answer with --reasoning-parser: the reasoning item's deltas, then the message's."""
+    generation = reply.generation
+    stream = reasoning.ReasoningStream(reply.reasoning_parser)
+    thinking, text = "", ""
+    message_index = None  # once the message is open
+    while True:
+        new_thinking, new_text = stream.feed(0, reply.sequence.releasable_text(), generation.finished)
+        out = ""
+        if new_thinking and message_index is None:
+            out += (_reasoning_opening(reply, 0) if not thinking else "") + _reasoning_delta(reply, 0, new_thinking)
+            thinking += new_thinking
+        if new_text:
+            if message_index is None:
+                if thinking:
+                    out += _reasoning_closing(reply, 0, reply.reasoning_item(thinking, "completed"))
+                message_index = 1 if thinking else 0
+                out += _message_opening(reply, message_index)
+            out += _text_delta(reply, message_index, new_text)
+            text += new_text
+        if out:
+            yield out
+        if generation.finished:
+            break
+        await generation.next_update(serving.idle_timeout_s)
+    status = _status(reply.sequence.finish_reason)
+    output = reply.output(status, (thinking or None, text))
+    tail = ""
+    if message_index is None:
+        if thinking:
+            tail += _reasoning_closing(reply, 0, output[0])
+        message_index = 1 if thinking else 0
+        tail += _message_opening(reply, message_index)
+    final = "response.completed" if status == "completed" else "response.incomplete"
+    yield tail + _message_closing(reply, message_index, output[-1]) + reply.event(final,
+                                                                               response=reply.response(status, output))
+
+
 # ---- the route -----------------------------------------------------------------------------------
 def _prepare(serving, body: ResponsesRequest):
     """Checks and renders the request (tokenizing takes a while, so this runs off the event loop)."""
@@ -231,7 +311,7 @@ async def create_response(serving, body: ResponsesRequest, request: Request):
     fmt, tool_call, prompt, params = await asyncio.to_thread(_prepare, serving, body)
     _, generation = serving.submit("resp", [prompt], [None], params)
     reply = _Reply(body, fmt, _new_id("resp"), int(time.time()), body.model or serving.model_name, generation,
-                   params.temperature, params.top_p, tool_call)
+                   params.temperature, params.top_p, tool_call, getattr(serving, "reasoning_parser", None))
     if body.stream:
         return StreamingResponse(_events(serving, reply), media_type="text/event-stream", headers=SSE_HEADERS)
     await serving._wait_finished(reply, request)  # the chat path's wait: disconnects, timeouts, core errors
