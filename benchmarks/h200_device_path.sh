@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# The fused layer, the prefill profile and the attention backends on one H200 (kind nvidia-h200), two
-# calls back to back on one machine (the first unpacks the CUDA 13 build of the CuTe DSL for the second):
+# The fused layer, the prefill profile and the attention backends on one H200 (kind nvidia-h200):
+#
+#   bash benchmarks/h200_device_path.sh quick     # one short call: the fused kernels' GPU tests, decode_profile.py
+#                                                 #   (llama-3-8b and smollm2-135m) and prefill_profile.py
+#
+# or two calls back to back on one machine (the first unpacks the CUDA 13 build of the CuTe DSL for the second):
 #
 #   bash benchmarks/h200_device_path.sh profiles  # carrying .whl/cu13: decode_profile.py (random:llama-3-8b
 #                                                 #   at batch 64/128/256, random:smollm2-135m likewise) and
@@ -23,6 +27,22 @@ export PYTHONPATH=$PWD:$PWD/engine:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 SITE=/tmp/fa_site
 
 case "${1:-}" in
+quick)
+    # one short call, no flash-attn: the fused kernels' GPU tests, then both decode profiles and the prefill profile
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+    timeout 50 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused.py \
+        tests/engine/test_decode_graphs.py -k "gpu or cuda" >"$OUT/tests.log" 2>&1
+    echo "== tests exit $?"
+    tail -n 4 "$OUT/tests.log"
+    timeout 100 python3 benchmarks/decode_profile.py 2>"$OUT/decode_profile.log" >"$OUT/decode_llama.md"
+    echo "== decode_profile llama-3-8b exit $?"
+    timeout 55 python3 benchmarks/prefill_profile.py 2>"$OUT/prefill_profile.log" >"$OUT/prefill.md"
+    echo "== prefill_profile exit $?"
+    OUT=/tmp/small timeout 35 python3 benchmarks/decode_profile.py --model random:smollm2-135m \
+        2>"$OUT/decode_smollm2.log" >"$OUT/decode_smollm2.md"
+    echo "== decode_profile smollm2-135m exit $?"
+    cat "$OUT/decode_llama.md" "$OUT/prefill.md" "$OUT/decode_smollm2.md"
+    ;;
 profiles)
     mkdir -p $SITE && (tar -C $SITE -xJf .whl/cu13/cu13.tar.xz && echo "== cu13 unpacked") &
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
