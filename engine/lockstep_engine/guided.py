@@ -12,6 +12,12 @@ thread (llguidance drops the GIL while it builds the lexer, and the first mask, 
 it, is computed there too); the core process holds the request back until it is ready
 (core_process.py), and every sequence of that grammar then starts from a copy of it. A 100,000-choice
 list takes about a second there; the other streams go on meanwhile.
+
+A grammar that reaches the core through the API server was compiled first, by the same llguidance,
+in the API's grammar worker process (api/grammar_worker.py) on a smaller stack than this thread's,
+within the bounds of guided_limits.py: a grammar that would crash llguidance crashes that worker
+(the request gets a 400) and never gets here. Only a choice list is not compiled there; its grammar
+is one terminal of quoted literals, written by `grammar_for`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from lockstep_engine.guided_schema import (
     grammar_for,
     is_available,
     llguidance_module,
+    matcher_error,
 )
 
 MATCHER_ATTR = "guided_matcher"
@@ -77,7 +84,7 @@ class GuidedDecoding:
         if not template.is_error():
             template.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
         if template.is_error():
-            raise GuidedDecodingError(f"{next(iter(spec))}: {template.get_error().splitlines()[0]}")
+            raise GuidedDecodingError(f"{next(iter(spec))}: {matcher_error(template.get_error())}")
         with self._templates_lock:
             self._templates[key] = template
             while len(self._templates) > MAX_TEMPLATES:

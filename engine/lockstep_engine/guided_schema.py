@@ -9,7 +9,9 @@ matchers, off its loop too.
 Limits (`check_limits`) keep one request from buying unbounded compile time: the number of choices,
 the size of a spec, and how deeply counted repetitions (`{n}`, `{n,m}`) nest in a regex or grammar,
 because each nesting level multiplies the states llguidance's lexer builds: `(a{1000}){1000}` took
-3.6 s for its first mask on the CPU, `(a{100}){100}` 30 ms.
+3.6 s for its first mask on the CPU, `(a{100}){100}` 30 ms. The bounds that keep llguidance's stack
+from overflowing (the depth of a schema through its `$ref`s, its definitions, a grammar's rules) are
+in guided_limits.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from lockstep_engine.guided_limits import grammar_problem, nesting_problem, schema_problem
 
 # Compact JSON: flexible whitespace lets a small model wander into endless blanks.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -64,7 +68,7 @@ def _json_grammar(schema: dict[str, Any]) -> str:
     try:
         return _llguidance().LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
     except (ValueError, TypeError) as error:
-        raise GuidedDecodingError(f"not a valid JSON schema: {error}") from None
+        raise GuidedDecodingError(f"not a valid JSON schema: {shortened(str(error))}") from None
 
 
 def compile_json_schema(schema: dict[str, Any]) -> str:
@@ -72,7 +76,7 @@ def compile_json_schema(schema: dict[str, Any]) -> str:
     grammar = _json_grammar(schema)
     problem = _llguidance().LLMatcher.validate_grammar(grammar)
     if problem:
-        raise GuidedDecodingError(f"unsupported JSON schema: {problem}")
+        raise GuidedDecodingError(f"unsupported JSON schema: {shortened(problem)}")
     return grammar
 
 
@@ -172,6 +176,9 @@ def grammar_for(spec: dict[str, Any]) -> str:
     if not isinstance(value, str) or not value.strip():
         raise GuidedDecodingError("grammar: expected a non-empty Lark or GBNF grammar string")
     _check_text(kind, value)
+    problem = grammar_problem(value)  # before the GBNF conversion, which took 23 s for 10,000 rules
+    if problem is not None:
+        raise GuidedDecodingError(f"grammar: {problem}")
     from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
     try:
@@ -191,16 +198,67 @@ def check_choices(value: Any) -> None:
 
 
 def check_guided(spec: dict[str, Any]) -> None:
-    """What the API server checks before a request reaches the core: `compile_guided`, except for a choice
-    list, whose grammar (quoted literals, written by `grammar_for`) llguidance always accepts: its shape
-    and size only. Validating 100,000 choices took a CPU core for 0.9 s, beside the core's own compile
-    of the same list on a two-core machine; the core reports anything else as the request's 400."""
+    """What the API server checks before a request reaches the core (in a worker process of its own,
+    api/grammar_worker.py): a choice list's shape and size only, since its grammar (quoted literals,
+    written by `grammar_for`) llguidance always accepts (validating 100,000 choices took a CPU core for
+    0.9 s, beside the core's own compile of the same list on a two-core machine). Any other spec: a
+    schema's bounds (guided_limits.py), `compile_guided`, then the first mask of a matcher over a
+    tokenizer of single bytes, which shows a grammar that allows no output at all (no tokenizer of the
+    model is needed for that, and none is loaded)."""
     check_limits(spec)
     kind, value = next(iter(spec.items()))
     if kind == "choice":
         check_choices(value)
-    else:
-        compile_guided(spec)
+        return
+    if kind == "json" and isinstance(value, dict):
+        problem = nesting_problem(value) or schema_problem(value)
+        if problem is not None:
+            raise GuidedDecodingError(problem)
+    grammar = compile_guided(spec)
+    llguidance = _llguidance()
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        raise GuidedDecodingError(f"{kind}: {matcher_error(matcher.get_error())}")
+
+
+def matcher_error(error: str) -> str:
+    """An `LLMatcher`'s error in words: its first line, or what `NoExtensionBias` (llguidance's name for
+    a grammar under which no token at all may come first) means."""
+    if error.startswith("NoExtensionBias"):
+        return ("the constraint allows no output at all (a rule or $ref that only refers to itself, or a cycle of "
+                "them, never reaches any text)")
+    return shortened(error.splitlines()[0] if error.strip() else "the grammar cannot be used")
+
+
+def shortened(text: str, limit: int = 400) -> str:
+    """llguidance's message, cut to `limit` characters: it quotes the offending input, which may be megabytes."""
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + " [...]"
+
+
+class _ByteTokens:
+    """A vocabulary of the 256 bytes and an end of sequence, for llguidance's `TokenizerWrapper`."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([byte]) for byte in range(256)] + [b"</s>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+_byte_tokenizer_instance = None
+
+
+def _byte_tokenizer():
+    global _byte_tokenizer_instance
+    if _byte_tokenizer_instance is None:
+        llguidance = _llguidance()
+        _byte_tokenizer_instance = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens()))
+    return _byte_tokenizer_instance
 
 
 def compile_guided(spec: dict[str, Any]) -> str:
@@ -209,6 +267,6 @@ def compile_guided(spec: dict[str, Any]) -> str:
     problem = _llguidance().LLMatcher.validate_grammar(grammar)
     if problem:
         kind = next(iter(spec))
-        raise GuidedDecodingError(f"{kind}: {problem.strip()}" if kind != "json" else
-                                  f"unsupported JSON schema: {problem}")
+        raise GuidedDecodingError(f"{kind}: {shortened(problem)}" if kind != "json" else
+                                  f"unsupported JSON schema: {shortened(problem)}")
     return grammar

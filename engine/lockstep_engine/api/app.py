@@ -36,6 +36,7 @@ from lockstep_engine.api.errors import (
     refused_unstarted,
     route_not_found,
 )
+from lockstep_engine.api.large_body import LARGE_BODY_BYTES, LargeBodyReader
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -100,6 +101,7 @@ class ServerState:
         self.idle = asyncio.Event()
         self.on_fatal = None  # set by serve.py: called when the model cannot be loaded
         self._loader: asyncio.Task | None = None
+        self.large_bodies = LargeBodyReader()
 
     # ---- startup ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -150,6 +152,9 @@ class ServerState:
             metrics.unregister(self.collector)
         if self.serving is not None and self.serving.large_text is not None:
             self.serving.large_text.shutdown()
+        if self.serving is not None:
+            self.serving.grammars.shutdown()
+        self.large_bodies.shutdown()
         if self.client is not None:
             await self.client.shutdown()
 
@@ -256,6 +261,10 @@ class GuardMiddleware:
         bad_text = _undecodable_text(body)
         if bad_text is not None:
             return await error_response(400, *bad_text)(scope, receive, send)
+        if len(body) >= LARGE_BODY_BYTES and scope["method"] == "POST":
+            refused = await self._large_body_refusal(body)
+            if refused is not None:
+                return await refused(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -279,6 +288,16 @@ class GuardMiddleware:
             await self.app(scope, replay, send)
         finally:
             self.state.leave(held)
+
+    async def _large_body_refusal(self, body: bytes) -> Response | None:
+        """The answer to a large body that its sizes decide, read in a worker (large_body.py): parsed here,
+        it would hold the loop for up to a second. A server that cannot serve yet answers 503 unparsed."""
+        reason = self.state.unavailable_reason()
+        if reason is not None:
+            return error_response(503, reason, None, RETRYABLE)
+        max_model_len = self.state.serving.config.max_model_len
+        refused = await asyncio.to_thread(self.state.large_bodies.refusal, body, max_model_len)
+        return None if refused is None else error_response(400, *refused)
 
 
 def _redact_query_key(scope) -> bool:
@@ -445,7 +464,9 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
         trace = "".join(traceback.format_exception(exc))  # for the log only, never for the client
         log(f"error: request {request.state.request_id}: {type(exc).__name__} while serving {request.url.path}:\n"
             f"{trace}")
-        return error(request, 500, f"internal error: {type(exc).__name__}")
+        # Starlette raises the exception again once this answer is sent, and uvicorn then drops the
+        # connection: the client is told, so it does not send its next request on a dead connection.
+        return error(request, 500, f"internal error: {type(exc).__name__}", headers={"Connection": "close"})
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():

@@ -1,10 +1,11 @@
-"""Checking structured-output constraints off the event loop, bounded in threads, time and memory.
+"""Checking structured-output constraints off the event loop, bounded in threads, processes, time and memory.
 
 Every constraint (`structured.guided_constraint`) is compiled once before its request reaches the
 core, so a bad one is a 400 naming its field; a choice list only has its shape and size checked
-(`guided_schema.check_guided`: its grammar is quoted literals, which always compile). Compiling can take seconds (a 100,000-choice list, a
-schema with thousands of properties), so it runs in a small thread pool (llguidance drops the GIL
-while it builds a grammar), never on the loop that serves every other stream:
+(`guided_schema.check_guided`: its grammar is quoted literals, which always compile). Compiling can
+take seconds (a schema with thousands of properties), and llguidance is native code that a deep
+enough grammar crashed, so it runs in worker processes (grammar_worker.py: a crash there fails that
+request alone), driven from a small thread pool, never from the loop that serves every other stream:
 
 * at most `MAX_WORKERS` compile at once and `MAX_PENDING` wait or run; past that a request gets a
   retryable 503 (another engine, or a later try, may take it);
@@ -13,10 +14,11 @@ while it builds a grammar), never on the loop that serves every other stream:
   answered from the cache);
 * results (the error message, or none) are cached by the constraint's JSON, `CACHE_SIZE` of them.
 
-The check is llguidance's grammar validation, which drops the GIL while it runs; it needs no
-tokenizer (converting one for llguidance holds the GIL for a second or more: the core does that
-once at start-up, before it is ready). What only a tokenizer shows (a lexer too large to build)
-fails in the core when it prepares the request's matcher, and the request gets a 400 from there.
+The check is llguidance's grammar validation and a matcher's first mask over a tokenizer of single
+bytes; it needs no tokenizer of the model (converting one for llguidance takes a second or more: the
+core does that once at start-up, before it is ready). What only the model's tokenizer shows (a lexer
+too large to build) fails in the core when it prepares the request's matcher, and the request gets a
+400 from there.
 """
 
 from __future__ import annotations
@@ -29,11 +31,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
 from lockstep_engine.api.errors import bad_request, refused_unstarted
-from lockstep_engine.guided_schema import (
-    GuidedDecodingError,
-    check_guided,
-    check_limits,
-)
+from lockstep_engine.api.grammar_worker import GrammarWorkers, check_spec
+from lockstep_engine.guided_limits import nesting_problem
+from lockstep_engine.guided_schema import GuidedDecodingError, check_limits
 
 MAX_WORKERS = 2
 MAX_PENDING = 16
@@ -45,6 +45,7 @@ class GrammarChecker:
     def __init__(self, budget_s: float = DEFAULT_BUDGET_S):
         self.budget_s = budget_s
         self._pool = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="lockstep-grammar-check")
+        self.workers = GrammarWorkers(MAX_WORKERS)  # one per thread: a thread never waits for a worker
         self._pending = 0  # compilations queued or running, finished or not in time
         self._pending_lock = threading.Lock()
         self._results: OrderedDict[str, str | None] = OrderedDict()  # spec JSON -> error or None
@@ -80,6 +81,7 @@ class GrammarChecker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.workers.shutdown()
 
     def _submit(self, param: str, spec: dict) -> Future:
         try:
@@ -104,7 +106,11 @@ class GrammarChecker:
         """The reason `spec` cannot guide a generation, or None; cached, except for choice lists (their check
         costs less than the cache key: a sorted JSON dump of the whole list)."""
         if "choice" in spec:
-            return self._error_of(spec)
+            return check_spec(spec)  # its shape and size: no native code
+        if isinstance(spec.get("json"), dict):
+            problem = nesting_problem(spec["json"])  # before the cache key and the pipe, which recurse in C
+            if problem is not None:
+                return problem
         try:
             key = json.dumps(spec, sort_keys=True)
         except (ValueError, TypeError, RecursionError) as error:
@@ -113,19 +119,9 @@ class GrammarChecker:
             if key in self._results:
                 self._results.move_to_end(key)
                 return self._results[key]
-        error = self._error_of(spec)
+        error = self.workers.check(spec)
         with self._results_lock:
             self._results[key] = error
             while len(self._results) > CACHE_SIZE:
                 self._results.popitem(last=False)
         return error
-
-    @staticmethod
-    def _error_of(spec: dict) -> str | None:
-        try:
-            check_guided(spec)
-        except GuidedDecodingError as failure:
-            return str(failure)
-        except Exception as failure:  # llguidance failing in a way it does not report as a bad grammar
-            return f"the constraint cannot be compiled ({type(failure).__name__})"
-        return None

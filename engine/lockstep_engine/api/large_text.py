@@ -5,21 +5,21 @@ Python ints (and transformers' copies of them) holds it: for a 10 MB prompt that
 which `/health` and every stream waited. Texts of `LARGE_TEXT_CHARS` or more therefore go to one
 worker process holding the same tokenizer (its `tokenizer.json`, rebuilt with `tokenizers`), which
 sends back the ids as packed int32 bytes; the server reads their count without making an int per id,
-and converts them only when the prompt fits the context (at most `max_model_len` ids).
+and converts them only when the prompt fits the context (at most `max_model_len` ids). The worker
+(lockstep_common/worker_process.py) dies with the API process, however that one ends.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import threading
 from array import array
-from concurrent.futures import ProcessPoolExecutor
 
+from lockstep_common.worker_process import WorkerProcess
 from lockstep_engine.api.errors import bad_request
 from lockstep_engine.sampling_params import SamplingParamsError
 from lockstep_engine.validation import validate_prompt
 
 LARGE_TEXT_CHARS = 1 << 20  # about 250k tokens of English: above any prompt that is quick to tokenize
+ENCODE_TIMEOUT_S = 300.0  # a 10 MB text took up to 39 s on a loaded two-core machine
 
 _worker_tokenizer = None
 
@@ -31,7 +31,8 @@ def _load(tokenizer_json: str) -> None:
     _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
 
 
-def _encode(text: str, add_special_tokens: bool) -> bytes:
+def _encode(argument: tuple[str, bool]) -> bytes:
+    text, add_special_tokens = argument
     return array("i", _worker_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids).tobytes()
 
 
@@ -39,22 +40,16 @@ class LargeTextEncoder:
     """One lazily started worker process; `encode` blocks its (non-loop) calling thread, not the GIL."""
 
     def __init__(self, tokenizer):
-        self._tokenizer_json = tokenizer.backend_tokenizer.to_str()
-        self._pool: ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._worker = WorkerProcess("large-text tokenizer worker", _encode, initializer=_load,
+                                     initargs=(tokenizer.backend_tokenizer.to_str(),))
 
     @staticmethod
     def supports(tokenizer) -> bool:
         return getattr(tokenizer, "backend_tokenizer", None) is not None  # a fast (Rust) tokenizer
 
     def encode(self, text: str, add_special_tokens: bool) -> array:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_load, initargs=(self._tokenizer_json,))
-            pool = self._pool
         ids = array("i")
-        ids.frombytes(pool.submit(_encode, text, add_special_tokens).result())
+        ids.frombytes(self._worker.call((text, add_special_tokens), ENCODE_TIMEOUT_S))
         return ids
 
     def encode_prompt(self, text: str, add_special_tokens: bool, config, model_config, param: str) -> list[int]:
@@ -68,7 +63,4 @@ class LargeTextEncoder:
         return ids.tolist()
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+        self._worker.close()

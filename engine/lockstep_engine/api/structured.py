@@ -29,6 +29,8 @@ def _json_schema(value: Any, param: str) -> dict:
             value = json.loads(value)
         except json.JSONDecodeError as error:
             raise bad_request(f"{param}: not valid JSON: {error}", param) from None
+        except RecursionError:
+            raise bad_request(f"{param}: the schema nests objects and arrays too deeply to parse", param) from None
     if not isinstance(value, dict):
         raise bad_request(f"{param}: expected a JSON schema object, got {type(value).__name__}", param)
     return value

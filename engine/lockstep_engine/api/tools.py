@@ -50,23 +50,36 @@ def closed_schema(schema):
     """A copy of `schema` where every object that lists its properties and says nothing of others
     (no `additionalProperties`, `patternProperties` or `unevaluatedProperties`) admits no other keys:
     OpenAI's strict mode, and vLLM's default backend for tool parameters. Subschemas of an `allOf` stay
-    as written (closing each part would refuse the keys of the others)."""
+    as written (closing each part would refuse the keys of the others). A walk with a stack of its own:
+    a client's schema may nest deeper than Python's recursion limit."""
     if not isinstance(schema, dict):
         return schema
-    closed = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(closed.get(key), dict):
-            closed[key] = {name: closed_schema(sub) for name, sub in closed[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(closed.get(key), list):
-            closed[key] = [closed_schema(sub) for sub in closed[key]]
-    for key in ("items", "additionalProperties", "not"):
-        if isinstance(closed.get(key), dict):
-            closed[key] = closed_schema(closed[key])
-    if isinstance(closed.get("properties"), dict) and not any(
-            key in closed for key in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
-        closed["additionalProperties"] = False
-    return closed
+    root = dict(schema)
+    stack = [root]
+    while stack:
+        closed = stack.pop()
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(closed.get(key), dict):
+                closed[key] = {name: _copied(sub, stack) for name, sub in closed[key].items()}
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(closed.get(key), list):
+                closed[key] = [_copied(sub, stack) for sub in closed[key]]
+        for key in ("items", "additionalProperties", "not"):
+            if isinstance(closed.get(key), dict):
+                closed[key] = _copied(closed[key], stack)
+        if isinstance(closed.get("properties"), dict) and not any(
+                key in closed for key in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+            closed["additionalProperties"] = False
+    return root
+
+
+def _copied(sub, stack: list):
+    """A subschema's copy, queued to be closed in turn (anything but an object stays as it is)."""
+    if not isinstance(sub, dict):
+        return sub
+    copy = dict(sub)
+    stack.append(copy)
+    return copy
 
 
 def mode(body) -> str | None:
