@@ -111,6 +111,16 @@ def _check_engine_flags(parser: ArgumentParser, engine_args: list[str]) -> None:
             parser.error(f"unrecognized arguments: {arg}")
 
 
+def served_name(model: str, engine_args: list[str]) -> str:
+    """The name clients send in 'model': the first --served-model-name given to the engines, else MODEL."""
+    for i, arg in enumerate(engine_args):
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1]
+        if arg == "--served-model-name" and i + 1 < len(engine_args) and not engine_args[i + 1].startswith("-"):
+            return engine_args[i + 1]
+    return model
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -280,7 +290,8 @@ class Stack:
                 if num_ready == len(self.engines) and not announced:
                     announced = True
                     say(f"ready: OpenAI API at http://{self.args.host}:{self.args.port}/v1 "
-                        f"(model {self.args.model!r}, {num_ready} engine(s)); Ctrl-C stops")
+                        f"(model {served_name(self.args.model, self.engine_args)!r}, {num_ready} engine(s)); "
+                        f"Ctrl-C stops")
                 elif num_ready < len(self.engines) and time.monotonic() - last_note >= 10:
                     last_note = time.monotonic()
                     say(f"{num_ready}/{len(self.engines)} engine(s) ready after {last_note - started:.0f}s; "

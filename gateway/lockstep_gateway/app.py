@@ -24,6 +24,7 @@ import uuid
 
 import httpx
 from fastapi import FastAPI, Request
+from lockstep_common.anthropic_errors import AnthropicRoutes
 from lockstep_common.errors import error_body, route_not_found
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -50,10 +51,12 @@ PROXIED_ROUTES = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat_completions",
     "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "messages_count_tokens",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
-GENERATION_ROUTES = ("completions", "chat_completions", "responses")
+GENERATION_ROUTES = ("completions", "chat_completions", "responses", "messages")
 # Routes that name no model (a stored response's id): any healthy engine answers them. path -> methods
 PASSTHROUGH_ROUTES = {
     "/v1/responses/{response_id}": ("GET", "DELETE"),
@@ -248,6 +251,9 @@ class Gateway:
             served = self.registry.served_models()
             if len(served) == 1:
                 return served[0]  # as vLLM: the one served model is the default
+            firsts = {backend.models[0] for backend in self.registry.backends.values() if backend.models}
+            if len(firsts) == 1 and self.registry.healthy(next(iter(firsts))):
+                return firsts.pop()  # every engine's first served name (engines serving several names), as vLLM
             if not known:
                 raise self._no_engine()
             raise GatewayError(400, "'model' is required: this gateway serves " + ", ".join(sorted(known)), "model")
@@ -256,7 +262,8 @@ class Gateway:
         if model not in known:
             if self.registry.any_unprobed():
                 raise self._no_engine()
-            raise GatewayError(404, f"the model {model!r} does not exist", "model")
+            available = self.registry.served_models() or sorted(known)
+            raise GatewayError(404, f"The model `{model}` does not exist. Available: {', '.join(available)}.", "model")
         return model
 
     async def openapi(self) -> Response:
@@ -442,6 +449,7 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_allowed_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
     app.add_middleware(QueryKeyGuard)
+    app.add_middleware(AnthropicRoutes)  # outermost: x-api-key and Anthropic-shaped errors on /v1/messages
     return app
 
 

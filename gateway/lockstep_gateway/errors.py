@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from lockstep_common.anthropic_errors import anthropic_error_body
 from lockstep_common.errors import error_body
 from starlette.responses import JSONResponse
 
@@ -29,6 +30,9 @@ def error_response(error: GatewayError, request_id: str | None = None) -> JSONRe
     return JSONResponse(error_body(error.status, message, error.param), status_code=error.status, headers=headers)
 
 
-def sse_error_event(status: int, message: str) -> bytes:
-    """The event that ends a stream the gateway cannot finish, then `[DONE]` as the engine does."""
+def sse_error_event(status: int, message: str, route: str | None = None) -> bytes:
+    """The event that ends a stream the gateway cannot finish, then `[DONE]` as the engine does (on
+    /v1/messages: Anthropic's `error` event, which ends a stream there)."""
+    if route == "messages":
+        return b"event: error\ndata: " + json.dumps(anthropic_error_body(status, message)).encode() + b"\n\n"
     return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\ndata: [DONE]\n\n"

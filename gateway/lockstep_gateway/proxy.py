@@ -472,14 +472,14 @@ class Proxy:
         except IdleTimeout:
             outcome = "timeout"
             metrics.stream_errors.labels("idle_timeout").inc()
-            tail = sse_error_event(504, f"the engine sent nothing for {idle:g}s; stream ended")
+            tail = sse_error_event(504, f"the engine sent nothing for {idle:g}s; stream ended", job.route)
         except UpstreamError as error:
             if relayed.gone:  # the client left and its upstream connection was closed for it
                 return
             outcome = "error"
             metrics.stream_errors.labels("upstream_lost").inc()
             log.warning("stream from %s broke: %s", engine, error)
-            tail = sse_error_event(502, "the connection to the engine was lost mid-stream")
+            tail = sse_error_event(502, "the connection to the engine was lost mid-stream", job.route)
         finally:
             metrics.upstream_requests.labels(engine, outcome).inc()
             metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)

@@ -1,0 +1,88 @@
+"""`lockstep up smollm2 --served-model-name my-model other-name` behind the gateway: /v1/messages with the official
+`anthropic` client (create, stream, Anthropic-shaped errors, x-api-key), the ready banner and the default model
+naming the first served name, and the unknown-model 404 listing what is served."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+from gateway_harness import free_port, start_up, wait_up
+
+KEY = "sk-gateway-anthropic-0123456789"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}  # the SDK's create() takes no temperature any more: an extra body field
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("up-anthropic")
+    (directory / "keys").write_text(KEY + "\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = directory / "up.log"
+    up = start_up("smollm2", port, log_path, "--api-key-file", str(directory / "keys"), "--served-model-name",
+                  "my-model", "other-name", "--max-model-len", "512")
+    try:
+        wait_up(up, url, log_path, engines=1, timeout=240)
+        yield url, log_path
+    finally:
+        up.terminate()
+        up.wait(60)
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack[0], api_key=KEY, max_retries=0, timeout=120.0)
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+def test_the_banner_and_a_request_without_model_take_the_first_served_name(stack):
+    url, log_path = stack
+    assert "(model 'my-model', 1 engine(s))" in log_path.read_text()
+    reply = _post(url, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == "my-model"
+
+
+def test_an_unknown_model_404_lists_the_served_names(stack):
+    reply = _post(stack[0], "/v1/chat/completions", {"model": "smollm2", "messages": QUESTION, "max_tokens": 4})
+    assert reply.status_code == 404
+    assert reply.json()["error"]["message"] == "The model `smollm2` does not exist. Available: my-model, other-name."
+
+
+def test_messages_create_and_stream_through_the_gateway(stack, client):
+    chat = openai.OpenAI(base_url=stack[0] + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model="other-name", messages=QUESTION, max_tokens=16, temperature=0)
+    message = client.messages.create(model="other-name", max_tokens=16, messages=QUESTION, extra_body=GREEDY)
+    assert message.model == "other-name" and message.content[0].text == chat.choices[0].message.content
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    with client.messages.stream(model="other-name", max_tokens=16, messages=QUESTION, extra_body=GREEDY) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == final.content[0].text == message.content[0].text
+    assert final.stop_reason == message.stop_reason
+
+
+def test_gateway_errors_on_messages_are_anthropic_shaped(stack, client):
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="claude-none", max_tokens=8, messages=QUESTION)
+    error = missing.value.body["error"]
+    assert error["type"] == "not_found_error" and "Available: my-model, other-name" in error["message"]
+    with pytest.raises(anthropic.AuthenticationError) as unauthorized:
+        anthropic.Anthropic(base_url=stack[0], api_key="sk-wrong", max_retries=0).messages.create(
+            model="my-model", max_tokens=8, messages=QUESTION)
+    assert unauthorized.value.body["type"] == "error"
+    assert unauthorized.value.body["error"]["type"] == "authentication_error"
+    bad = _post(stack[0], "/v1/messages", {"model": "my-model", "messages": QUESTION})  # no max_tokens: the engine's
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_vllm_route_through_the_gateway_is_a_404_naming_it(stack):
+    reply = _post(stack[0], "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/b"})
+    assert reply.status_code == 404
+    assert "does not serve /v1/load_lora_adapter (a vLLM route): LoRA adapters" in reply.json()["error"]["message"]
