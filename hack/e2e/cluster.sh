@@ -403,12 +403,12 @@ down() {
   mapfile -t -O "${#left[@]}" left < <(host_leftovers)
   awk -v a="$state" -v b="$run" 'index($5, a) == 1 || index($5, b) == 1 { print "mount " $5 }' /proc/self/mountinfo |
     grep -q . && left+=("mounts under $state or $run")
-  log "cluster down in $((SECONDS - start)) s"
   if ((${#left[@]})); then
-    log "left behind: $(printf '%s; ' "${left[@]}")($state and $run kept for another \`cluster.sh down\`)"
+    log "cluster down in $((SECONDS - start)) s, but left behind: $(printf '%s; ' "${left[@]}")($state and $run kept for another \`cluster.sh down\`)"
     return 1
   fi
   rm -rf "$state" "$run"
+  log "cluster down in $((SECONDS - start)) s: nothing left (no process in its namespace, no cluster address, rule, mount or cgroup on the host)"
 }
 
 # The cluster's addresses, iptables rules and ipsets exist only in its network namespace; these are

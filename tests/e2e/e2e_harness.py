@@ -24,6 +24,9 @@ NAMESPACE = "lockstep"
 RELEASE = "lockstep"
 VERSION = "0.1.0"
 ENGINE_TAG = f"{VERSION}-cpu"
+# The only pods networkPolicy.gatewayFrom admits to the gateway (besides what the chart admits itself:
+# the operator, the helm test pod, monitoring namespaces).
+GATEWAY_CLIENT_LABEL = "e2e.lockstep.dev/gateway-client"
 T = TypeVar("T")
 
 
@@ -141,6 +144,9 @@ RELEASE_VALUES: dict[str, Any] = {
         "resyncSeconds": 10,
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
     },
+    # Who may call the gateway: the probe pod labelled so; the scale-from-zero and helm test scenarios
+    # show the operator and the test pod still reach it.
+    "networkPolicy": {"gatewayFrom": [{"podSelector": {"matchLabels": {GATEWAY_CLIENT_LABEL: "true"}}}]},
 }
 
 

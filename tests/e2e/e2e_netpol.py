@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from e2e_harness import NAMESPACE, VERSION, Kubectl
+from e2e_harness import GATEWAY_CLIENT_LABEL, NAMESPACE, VERSION, Kubectl
 
 # Any image on the node with python3 serves; the gateway's is the smallest of them.
 PROBE_IMAGE = f"ghcr.io/lockstep-dev/lockstep-gateway:{VERSION}"
@@ -78,11 +78,12 @@ def probe_pod(name: str, namespace: str, labels: dict[str, str]) -> dict[str, An
     }
 
 
-# name -> (namespace, labels): no label; the label in the release namespace; the label elsewhere.
+# name -> (namespace, labels): no label; the labels in the release namespace; the labels elsewhere.
+# The engine-client label admits to engines, the gateway-client one to the gateway (gatewayFrom).
 PROBES: dict[str, tuple[str, dict[str, str]]] = {
     "netpol-stranger": (NAMESPACE, {"app": "netpol-probe"}),
-    "netpol-client": (NAMESPACE, {"app": "netpol-probe", CLIENT_LABEL: "true"}),
-    "netpol-elsewhere": (OTHER_NAMESPACE, {"app": "netpol-probe", CLIENT_LABEL: "true"}),
+    "netpol-client": (NAMESPACE, {"app": "netpol-probe", CLIENT_LABEL: "true", GATEWAY_CLIENT_LABEL: "true"}),
+    "netpol-elsewhere": (OTHER_NAMESPACE, {"app": "netpol-probe", CLIENT_LABEL: "true", GATEWAY_CLIENT_LABEL: "true"}),
 }
 
 

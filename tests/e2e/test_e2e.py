@@ -6,6 +6,7 @@ Each prints one `SCENARIO <name>: PASS|FAIL` line.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any
@@ -93,6 +94,18 @@ def test_install_the_chart(kubectl: Kubectl, helm_config) -> None:
         )
 
 
+def test_an_invalid_quantity_is_refused_at_apply(kubectl: Kubectl) -> None:
+    with scenario("an invalid quantity is refused at kubectl apply, naming the field"):
+        for change, field in (({"shmSize": "lots"}, "spec.engine.shmSize"),
+                              ({"resources": {"requests": {"cpu": "two"}}}, "spec.engine.resources.requests[cpu]")):  # fmt: skip
+            manifest = llmservice("bad-quantity")
+            manifest["spec"]["engine"].update(change)
+            result = kubectl.run("apply", "-f", "-", stdin=json.dumps(manifest), check=False)
+            say(f"{change}: exit {result.returncode}: {result.stderr.strip()[:300]}")
+            assert result.returncode != 0 and f"{field}: Invalid value" in result.stderr, result.stderr
+        assert kubectl.run("get", "llmservice", "bad-quantity", "-n", NAMESPACE, check=False).returncode != 0
+
+
 def docs_sample_row() -> list[str]:
     """The `kubectl get llmservices` row docs/KUBERNETES.md shows after applying the example."""
     text = (ROOT / "docs" / "KUBERNETES.md").read_text()
@@ -124,17 +137,19 @@ def test_the_gateway_answers_paris(gateway_port: int) -> None:
 
 
 def test_network_policies_let_only_engine_clients_reach_an_engine(kubectl: Kubectl, gateway_port: int) -> None:
-    with scenario("NetworkPolicy enforced: a pod without the engine-client label cannot reach an engine's port"):
+    with scenario("NetworkPolicy enforced: only engine clients reach an engine, only gatewayFrom reaches the gateway"):
         pod_ip = kubectl.json("get", "pod", "smollm2-g0-0", "-n", NAMESPACE)["status"]["podIP"]
         service_ip = kubectl.json("get", "service", "smollm2", "-n", NAMESPACE)["spec"]["clusterIP"]
-        targets = [f"{pod_ip}:8000", f"{service_ip}:8000"]  # the leader pod, and the leader Service
+        gateway_ip = kubectl.json("get", "service", f"{RELEASE}-gateway", "-n", NAMESPACE)["spec"]["clusterIP"]
+        # the leader pod, the leader Service, and the gateway's Service (networkPolicy.gatewayFrom)
+        targets = [f"{pod_ip}:8000", f"{service_ip}:8000", f"{gateway_ip}:80"]
         with probe_pods(kubectl):
             # The enforcer adds a new pod's address to the policy's ipsets on the pod's event: poll until it has.
-            client = wait_for("the labelled pod to reach the engine", lambda: (found := probe(kubectl, "netpol-client", targets))
-                              and reached(found) and found, timeout=120, interval=2)  # fmt: skip
+            client = wait_for("the labelled pod to reach the engine and the gateway", lambda: (found := probe(kubectl,
+                              "netpol-client", targets)) and reached(found) and found, timeout=120, interval=2)  # fmt: skip
             stranger = probe(kubectl, "netpol-stranger", targets)
             elsewhere = probe(kubectl, "netpol-elsewhere", targets)
-        say(f"engine-client in {NAMESPACE}: {client}; no label: {stranger}; engine-client in another namespace: {elsewhere}")
+        say(f"labelled in {NAMESPACE}: {client}; no label: {stranger}; labelled in another namespace: {elsewhere}")
         assert denied(stranger), stranger
         assert denied(elsewhere), elsewhere
         assert "Paris" in ask(gateway_port, "smollm2")  # the gateway (labelled) still reaches it
@@ -197,6 +212,61 @@ def test_scale_to_two_groups_and_both_take_requests(kubectl: Kubectl, gateway_po
 
         wait_for("requests on both groups", served_by_both, timeout=300, interval=0.5)
         say("both groups generated tokens: " + ", ".join(f"{p}: {generated_tokens(kubectl, p):.0f}" for p in leaders))
+
+
+def evict(kubectl: Kubectl, pod: str, tmp_path) -> tuple[int, str]:
+    """An eviction through the API (what `kubectl drain` sends for each pod): (exit code, stderr)."""
+    body = tmp_path / f"evict-{pod}.json"
+    body.write_text(json.dumps({"apiVersion": "policy/v1", "kind": "Eviction",
+                                "metadata": {"name": pod, "namespace": NAMESPACE}}))  # fmt: skip
+    result = kubectl.run("create", "--raw", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}/eviction", "-f", str(body),
+                         check=False)  # fmt: skip
+    return result.returncode, result.stderr.strip()
+
+
+def test_evictions_take_one_group_at_a_time_under_traffic_and_no_request_fails(kubectl: Kubectl, gateway_port: int,
+                                                                               tmp_path) -> None:  # fmt: skip
+    import threading
+
+    with scenario("evictions under traffic: the disruption budget lets one group go at a time, no request fails"):
+        budget = kubectl.json("get", "poddisruptionbudget", "smollm2", "-n", NAMESPACE)
+        wait_for("the budget to allow one disruption", lambda: kubectl.json("get", "poddisruptionbudget", "smollm2", "-n",
+                 NAMESPACE)["status"].get("disruptionsAllowed") == 1, timeout=60, interval=1)  # fmt: skip
+        say(f"budget: {budget['spec']}")
+        failures: list[str] = []
+        answered = [0]
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                try:
+                    ask(gateway_port, "smollm2", max_tokens=16)
+                    answered[0] += 1
+                except Exception as exc:  # noqa: BLE001 - every failure is reported
+                    failures.append(repr(exc))
+
+        workers = [threading.Thread(target=load) for _ in range(2)]
+        for worker in workers:
+            worker.start()
+        try:
+            time.sleep(3)  # requests in flight on both groups when the eviction lands
+            uid_before = kubectl.json("get", "pod", "smollm2-g0-0", "-n", NAMESPACE)["metadata"]["uid"]
+            first = evict(kubectl, "smollm2-g0-0", tmp_path)
+            second = evict(kubectl, "smollm2-g1-0", tmp_path)
+            say(f"evict group 0's pod: {first}; then group 1's: {second}")
+            assert first[0] == 0, first
+            assert second[0] != 0 and "disruption budget" in second[1], second
+            wait_for("a new pod for group 0", lambda: (kubectl.run("get", "pod", "smollm2-g0-0", "-n", NAMESPACE, "-o",
+                     "jsonpath={.metadata.uid}", check=False).stdout or uid_before) != uid_before, timeout=180, interval=1)  # fmt: skip
+            wait_two_ready_groups(kubectl, "2 ready groups after the eviction")
+            time.sleep(3)
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join(timeout=300)
+        say(f"{answered[0]} requests answered, {len(failures)} failed during the eviction")
+        assert not failures, failures[:3]
+        assert answered[0] > 0
 
 
 def container_id(kubectl: Kubectl, pod: str) -> str:
