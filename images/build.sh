@@ -13,7 +13,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
 cache="${LOCKSTEP_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lockstep/images}"
 export LOCKSTEP_IMAGE_CACHE="$cache"
-python="${PYTHON:-python3}"
+python="${PYTHON:-$root/.venv/bin/python}"  # the checkout's environment: it has pip (make images passes it)
 version="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$root/pyproject.toml" | head -1)"
 registry="${LOCKSTEP_IMAGE_REPOSITORY:-ghcr.io/lockstep-dev}"
 pip_version=23.2.1

@@ -1,7 +1,7 @@
 """/health latency while N streams are open against a running `lockstep serve` (issue 15: within 100 ms
 at 3000 streams).
 
-    python3 scripts/health_under_streams.py --url http://127.0.0.1:8000 --streams 3000
+    .venv/bin/python scripts/health_under_streams.py --url http://127.0.0.1:8000 --streams 3000
 
 Opens `--streams` streamed completions at once (`max_tokens`, `ignore_eos`), probes /health every
 50 ms from a process of its own (a new connection per probe with `Connection: close`, as a kubelet

@@ -13,7 +13,7 @@ set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-python="${PYTHON:-python3}"
+python="${PYTHON:-$root/.venv/bin/python}"  # the checkout's environment (make test/e2e makes it)
 start=$SECONDS
 
 pytest_args=()
