@@ -145,6 +145,7 @@ _SUMMED = {
     "lockstep_scheduler_window_steps_count": "windows",
     "lockstep_scheduler_window_steps_sum": "steps",
     "lockstep_scheduler_window_cuts_total": "cuts",
+    "lockstep_scheduler_overlapped_windows_total": "overlapped",
 }
 
 
@@ -154,12 +155,14 @@ def scrape(url: str) -> dict:
 
     text = httpx.get(f"{url}/metrics", timeout=10.0).text
     values = {"busy": 0.0, "idle": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0, "boundary_buckets": {},
-              "windows": 0.0, "steps": 0.0, "cuts": 0.0, "host": {}}
+              "windows": 0.0, "steps": 0.0, "cuts": 0.0, "overlapped": 0.0, "occupancy": None, "host": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = _SUMMED.get(sample.name)
             if key is not None:
                 values[key] += sample.value
+            elif sample.name == "lockstep_gpu_occupancy_ratio":
+                values["occupancy"] = sample.value
             elif sample.name == "lockstep_host_phase_seconds_sum":  # the core's host work, per phase
                 phase = sample.labels.get("phase", "")
                 values["host"][phase] = values["host"].get(phase, 0.0) + sample.value
@@ -238,6 +241,8 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
         "kernels_compiled_during_run": kernels_after - kernels_before,
         "windows": after["windows"] - before["windows"], "steps": after["steps"] - before["steps"],
         "cut_windows": after["cuts"] - before["cuts"],
+        "overlapped_windows": after["overlapped"] - before["overlapped"],
+        "occupancy_gauge_at_end": after["occupancy"],
         "longest_output_tokens": None if longest is None else result["output_lens"][longest],
         "longest_output_ttft_s": None if longest is None else result["ttfts"][longest],
         "longest_output_e2el_s": None if longest is None else result["ttfts"][longest] + sum(result["itls"][longest]),

@@ -7,26 +7,31 @@ last step back so the same code paths run (the CPU default is off)."""
 import random
 
 import pytest
+import torch
 
 from lockstep_engine.engine_core import CoreStats
 from lockstep_engine.llm import LLM
 from lockstep_engine.metrics import CoreMetrics
+from lockstep_engine.runner.host_stream import HostRing, StepStream
 from lockstep_engine.runner.outputs import StepTag, StepTiming, WindowTimings
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
 
 STEPS = (1, 4, 8)
+# On CUDA the tail's copy lands asynchronously and decode-only windows run as graph replays.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.fixture(scope="module")
-def tiny_base() -> LLM:
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny_base(request) -> LLM:
     return LLM("random:tiny", num_scheduler_steps=8, num_gpu_blocks_override=256, max_num_seqs=16,
-               async_scheduling=False)
+               async_scheduling=False, device=request.param)
 
 
 def _tiny(base: LLM, overlap: bool, **kwargs) -> LLM:
     settings = {"num_scheduler_steps": 8, "num_gpu_blocks_override": 256, "max_num_seqs": 16, **kwargs}
-    return LLM("random:tiny", share_model_with=base, async_scheduling=overlap, **settings)
+    return LLM("random:tiny", share_model_with=base, async_scheduling=overlap, device=base.engine.config.device,
+               **settings)
 
 
 def _workload(seed: int, count: int = 40) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -189,3 +194,30 @@ def test_occupancy_is_busy_over_busy_and_idle_of_recent_forwards():
         StepTiming(StepTag(1, "decode", 4), forward_s=0.010, gap_s=0.001)])
     metrics.record_window(CoreStats(num_windows=1, num_steps=3, num_overlapped_windows=1), timings)
     assert metrics.occupancy == pytest.approx(0.028 / 0.030)
+
+
+class _LandedEvent:
+    """A copy that has always landed by the time it is asked about (a fast device, a small batch)."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("hold_last", (False, True))
+def test_a_held_stream_keeps_its_newest_step_even_when_its_copy_landed(hold_last):
+    delivered = []
+    ring = HostRing(allocate=lambda numel, dtype: torch.empty(numel, dtype=dtype), event_factory=_LandedEvent)
+    stream = StepStream(lambda out: delivered.append(out.step), WindowTimings(), ring, hold_last=hold_last)
+    for step in (1, 2, 3):
+        stream.push(step, torch.tensor([[7, 8], [0, 0]]), None, sync=False)
+    assert delivered == ([1, 2] if hold_last else [1, 2, 3])
+    stream.drain(keep=1)
+    assert delivered == ([1, 2] if hold_last else [1, 2, 3]) and stream.has_undelivered == hold_last
+    stream.drain()
+    assert delivered == [1, 2, 3] and not stream.has_undelivered

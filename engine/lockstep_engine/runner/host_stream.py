@@ -71,9 +71,9 @@ class StepStream:
     """Hands each step's tokens to the host callback: at once (sync) or as its async copy into a slot of
     the runner's `HostRing` lands.
 
-    With `hold_last`, a synchronous step is handed over at the next push or drain rather than at once, so
-    that a window's last step can still be handed to the next window (`WindowTail`) where the device does
-    not run ahead of the host (the CPU)."""
+    With `hold_last`, the newest step is never handed over before the next push or a full drain, even
+    when its copy landed at once (a small batch on a fast device) or was synchronous (the CPU): a window's
+    last step is then still there for the next window to hand over (`WindowTail`)."""
 
     def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings, ring: HostRing | None,
                  hold_last: bool = False):
@@ -104,7 +104,8 @@ class StepStream:
         slot = self.ring.acquire()
         slot.copy_from(tensors, self.ring.allocate)
         self.pending.append((step, slot, packed))
-        while self.pending and self.pending[0][1].event.query():
+        keep = 1 if self.hold_last else 0
+        while len(self.pending) > keep and self.pending[0][1].event.query():
             self._deliver_slot(*self.pending.popleft())
 
     def drain(self, keep: int = 0) -> None:
@@ -115,6 +116,10 @@ class StepStream:
             self._deliver_slot(step, slot, packed)
         if keep == 0:
             self._deliver_held()
+
+    @property
+    def has_undelivered(self) -> bool:
+        return bool(self.pending) or self._held is not None
 
     def _deliver_held(self) -> None:
         if self._held is not None:
