@@ -265,7 +265,7 @@ class ModelRunner:
         # whole window is launched without waiting; tokens reach the host as each step's copy lands.
         # The choice depends on the plan only, so every rank of a group loops alike.
         stream_async = self.device.type == "cuda" and not has_guided_rows(sampling_rows)
-        outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail and not stream_async)
+        outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail)
         outputs.push(1, state.emitted, out, sync=not stream_async)
         if guide is not None:
             guide.accept(outputs.last_tokens)
@@ -297,7 +297,7 @@ class ModelRunner:
         """Hands the window's steps over, all of them or all but the last (`WindowTail`, with `last`: the
         device's tokens and emitted [token, finish] rows after the last step)."""
         rows = len(sampling_rows)
-        if defer_tail:
+        if defer_tail and outputs.has_undelivered:
             outputs.drain(keep=1)
             timings.tail = WindowTail(outputs, last["tokens"][:rows], last["emitted"][1, :rows],
                                       [row.seq for row in sampling_rows])
@@ -324,7 +324,7 @@ class ModelRunner:
                        defer_tail: bool) -> WindowTimings:
         """All steps of a decode-only window as graph replays; tokens stream as each step's copy lands."""
         clock, rows_n = self.clock, len(sampling_rows)
-        outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail and self.host_ring is None)
+        outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail)
         emitted = graph.inputs["emitted"][:, :rows_n]
         for step in range(1, num_steps + 1):
             if step > 1 and should_cut is not None and _cut(outputs, should_cut):
