@@ -319,10 +319,16 @@ def _redact_query_key(scope) -> bool:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
+def _may_hold_surrogate(body: bytes) -> bool:
+    """`_SURROGATE_ESCAPE.search`, after three substring tests that run at memory speed: the regex alone, which
+    has no literal to look for first, held the event loop for 170-200 ms on a 13 MB body of token ids."""
+    return (b"\\ud" in body or b"\\uD" in body or b"\xed" in body) and _SURROGATE_ESCAPE.search(body) is not None
+
+
 def _undecodable_text(body: bytes) -> tuple[str, str] | None:
     """(message, param) for a body that is not UTF-8 or holds a lone surrogate, naming the field by its
     JSON path (a key that is not text is named by the object holding it: the message never echoes it)."""
-    if not _SURROGATE_ESCAPE.search(body):  # the common case: one scan, no parse
+    if not _may_hold_surrogate(body):  # the common case: no parse
         try:
             body.decode("utf-8")
             return None
