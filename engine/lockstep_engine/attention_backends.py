@@ -5,8 +5,8 @@ VLLM_ATTENTION_BACKEND choice).
 * triton: `kernels/triton_attention.py`, CUDA only.
 * flash-attn: `kernels/flash_attention.py`, FlashAttention-4 from the optional `flash-attn` extra, CUDA only.
 * auto: torch on the CPU. On CUDA, per phase (decode steps; prefill and mixed steps), the backend
-  measured fastest for that phase on a Hopper GPU (`AUTO_BY_PHASE`), Triton on other GPUs; a backend
-  that cannot load (flash-attn not installed) falls back to Triton, and Triton to torch.
+  `AUTO_BY_PHASE` names for that phase on a Hopper GPU (the fastest measured there), Triton on other
+  GPUs; a backend that cannot load (flash-attn not installed) falls back to Triton, and Triton to torch.
 
 All backends share the cache layout [num_blocks + 1, block_size, kv_heads, head_dim], so one model can
 switch between them (`ModelRunner.use_attention_backend`) and `auto` can mix them by phase.
@@ -18,8 +18,10 @@ import torch
 
 from lockstep_engine.attention import AttentionMetadata, TorchPagedAttention
 from lockstep_engine.config import ATTENTION_BACKENDS
-# auto's choice per phase on compute capability 9.x, from the per-phase comparison on one H200 in
-# docs/BENCHMARKS.md ("Attention backends per phase", benchmarks/attention_backends.py).
+# auto's choice per phase on compute capability 9.x. Triton for both until benchmarks/attention_backends.py
+# has compared the two on the H200 (not run yet): the one earlier trial there, flash-attn-4 4.0.0b36 paged
+# decode at Llama-3-8B's shape without its split or GQA-packing options, ran at 1.55-1.72x of its byte bound
+# against Triton's 1.26-1.34x; prefill is unmeasured.
 AUTO_BY_PHASE = {"decode": "triton", "prefill": "triton"}
 AUTO_CAPABILITY = 9
 

@@ -15,8 +15,10 @@ FlashAttention takes int32 lengths and tables; the engine's are int64, so they a
 step (`AttentionMetadata.int32`) and every layer reuses the copies.
 Pages past a row's length are read but masked; they must hold finite values, which the
 zero-initialised cache and its writes keep true.
-Decode launches no host sync and sizes nothing from device values, so it is captured in CUDA graphs
-like the Triton backend; each new shape compiles once (about 5 s), which warm-up covers.
+Decode launches no host sync and sizes nothing from device values (lengths and the table stay on the
+device; the bound on a row's length is the table's width), so the decode graphs capture it like the
+Triton backend. The first call of each kernel variant compiles it (seconds): the server's warm-up runs
+the shapes it serves before it reports ready.
 """
 
 from __future__ import annotations
