@@ -244,6 +244,34 @@ def test_greedy_sample_matches_the_sampler(vocab, dtype):
     assert got.dtype == torch.int64 and torch.equal(got.cpu(), expected)
 
 
+def test_the_sampler_runs_the_fused_kernel_for_plain_greedy_rows_only():
+    """Greedy rows with only min_tokens' ban go to the kernel (same tokens as the torch path); logprobs or
+    a logit bias keep the torch ops."""
+    from dataclasses import replace
+
+    from lockstep_engine.sampler import Sampler, SamplingTensors
+
+    rows, vocab = 3, 500
+    logits = randn(rows, vocab, dtype=torch.float32, seed=60)
+    calls = []
+    sampler = Sampler(lambda x: calls.append(x) or fused)
+    t = SamplingTensors(temperature=torch.zeros(rows), top_k=torch.full((rows,), vocab), top_p=torch.ones(rows),
+                        min_p=torch.zeros(rows), seeds=torch.zeros(rows, dtype=torch.int64),
+                        stop_ids=torch.tensor([[7, -1]] * rows), min_tokens=torch.tensor([2, 0, 0]), presence=None,
+                        frequency=None, repetition=None, prompt_mask=None, logit_bias=None, all_greedy=True,
+                        any_filter=False, num_logprobs=-1)
+    t = replace(t, **{name: getattr(t, name).to(DEVICE) for name in ("temperature", "top_k", "top_p", "min_p",
+                                                                      "seeds", "stop_ids", "min_tokens")})
+    generated = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    tokens = sampler(logits, t, generated, None).tokens
+    assert len(calls) == 1
+    assert torch.equal(tokens.cpu(), Sampler()(logits, t, generated, None).tokens.cpu())
+    with_logprobs = sampler(logits, replace(t, num_logprobs=0), generated, None)
+    bias = torch.zeros(rows, vocab, device=DEVICE)
+    sampler(logits, replace(t, logit_bias=bias), generated, None)
+    assert len(calls) == 1 and torch.equal(with_logprobs.tokens, tokens) and with_logprobs.logprobs is not None
+
+
 def test_greedy_sample_ties_take_the_first_index_and_no_stop_ids():
     logits = torch.zeros(2, 9000, device=DEVICE)
     logits[0, [17, 5000, 8999]] = 2.0  # the same maximum in three blocks
