@@ -52,7 +52,8 @@ def schema_problem(schema: dict) -> str | None:
         return f"{definitions} definitions in $defs/definitions; at most {MAX_SCHEMA_DEFINITIONS} are allowed"
     cycle = _ref_cycle(schema, nodes)
     if cycle is not None:
-        return (f"$ref cycle {' -> '.join(cycle)}: a schema that only refers to itself matches no JSON value "
+        shown = cycle if len(cycle) <= 6 else [*cycle[:3], f"... ({len(cycle) - 1} $refs in all)", *cycle[-2:]]
+        return (f"$ref cycle {' -> '.join(shown)}: a schema that only refers to itself matches no JSON value "
                 f"(give it a type or properties)")
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:

@@ -29,16 +29,18 @@ def free_port() -> int:
 
 
 class Server:
-    """One `lockstep serve` process; `url` is its root."""
+    """One `lockstep serve` process; `url` is its root. `launcher`: what runs `lockstep` (a script that plants a
+    fault first, for instance)."""
 
-    def __init__(self, model: str, *args: str, name: str | None = None, api_key: str | None = None):
+    def __init__(self, model: str, *args: str, name: str | None = None, api_key: str | None = None,
+                 launcher: tuple[str, ...] = ("-m", "lockstep.cli")):
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.name = name or model
         self.log_path = os.path.join(os.environ.get("PYTEST_TMP", "/tmp"), f"lockstep-serve-{self.port}.log")
-        command = [sys.executable, "-m", "lockstep.cli", "serve", model, "--host", "127.0.0.1",
+        command = [sys.executable, *launcher, "serve", model, "--host", "127.0.0.1",
                    "--port", str(self.port), *args]
         if api_key:
             command += ["--api-key", api_key]
