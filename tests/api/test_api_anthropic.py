@@ -188,3 +188,16 @@ def test_the_first_streamed_chunk_carries_continuous_usage(server):
 
 def test_gpu_memory_utilization_on_the_cpu_is_reported_as_ignored(server):
     assert "warning: --gpu-memory-utilization 0.5 is ignored on the CPU" in server.log_tail(200)
+
+
+def test_a_short_answer_leaves_its_prompt_in_the_prefix_cache(client):
+    # A prompt of ~150 tokens answered in the window that computed it (max_tokens <= N=8): its full blocks
+    # are cached, so the same request again reads all of them (the last prompt token is always computed).
+    system = "You answer questions about cities. " * 20
+    for max_tokens in (1, 8):
+        question = [{"role": "user", "content": f"Name a city ({max_tokens})."}]
+        first = client.messages.create(model=NAME, max_tokens=max_tokens, system=system, messages=question)
+        prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+        assert prompt > 130
+        again = client.messages.create(model=NAME, max_tokens=max_tokens, system=system, messages=question)
+        assert again.usage.cache_read_input_tokens == (prompt - 1) // 16 * 16, max_tokens
