@@ -7,6 +7,8 @@
 #                                           #   inf, random:llama-3-8b, default flags against
 #                                           #   --no-async-scheduling (1000 requests, CLIENTS processes)
 #   bash benchmarks/h200_overlap.sh small   # the same two settings for random:smollm2-135m
+#   bash benchmarks/h200_overlap.sh final   # the window-loop and fused-kernel GPU tests, then smollm2 served
+#                                           #   with default flags only
 #
 # Tables go to stdout; JSON and logs to $OUT (at most 8 files come back from the device tool).
 set -u
@@ -67,8 +69,23 @@ small)
     tar -czf "$OUT/logs.tgz" -C /tmp small 2>/dev/null
     summary "$OUT/served_smollm2.json"
     ;;
+final)
+    # the window-loop and fused-kernel GPU test files, then random:smollm2-135m served with default flags
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_overlap.py tests/engine/test_step_timer.py \
+        tests/engine/test_arrival_cuts.py tests/engine/test_decode_graphs.py tests/kernels/test_fused.py \
+        >"$OUT/tests.log" 2>&1
+    echo "== tests exit $?"
+    tail -n 8 "$OUT/tests.log"
+    mkdir -p /tmp/small
+    OUT=/tmp/small timeout 170 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "overlap=" \
+        --client-processes "$CLIENTS" --budget 160 >/tmp/small/served.log 2>&1
+    echo "== smollm2 exit $?"
+    cp /tmp/small/served.json "$OUT/served_smollm2.json" 2>/dev/null
+    tar -czf "$OUT/logs.tgz" -C /tmp small 2>/dev/null
+    summary "$OUT/served_smollm2.json"
+    ;;
 *)
-    echo "usage: $0 check|small" >&2
+    echo "usage: $0 check|small|final" >&2
     exit 2
     ;;
 esac

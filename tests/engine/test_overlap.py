@@ -12,26 +12,42 @@ import torch
 from lockstep_engine.engine_core import CoreStats
 from lockstep_engine.llm import LLM
 from lockstep_engine.metrics import CoreMetrics
+from lockstep_engine.runner.cuda_graphs import DecodeGraphs
 from lockstep_engine.runner.host_stream import HostRing, StepStream
 from lockstep_engine.runner.outputs import StepTag, StepTiming, WindowTimings
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
 
 STEPS = (1, 4, 8)
-# On CUDA the tail's copy lands asynchronously and decode-only windows run as graph replays.
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# On CUDA the tail's copy lands asynchronously and decode-only windows run as graph replays; "cpu-cuda-paths"
+# runs those paths on the CPU (graphs replayed eagerly on their static buffers, copies into a host ring whose
+# events have always landed). float32 everywhere: overlap moves preemptions (a row that finishes in a pending
+# step holds its blocks one window longer), and a recomputed prompt must give the same tokens.
+DEVICES = ["cpu", "cpu-cuda-paths"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture(scope="module", params=DEVICES)
 def tiny_base(request) -> LLM:
-    return LLM("random:tiny", num_scheduler_steps=8, num_gpu_blocks_override=256, max_num_seqs=16,
-               async_scheduling=False, device=request.param)
+    llm = LLM("random:tiny", num_scheduler_steps=8, num_gpu_blocks_override=256, max_num_seqs=16,
+              async_scheduling=False, device=request.param.removesuffix("-cuda-paths"), dtype="float32")
+    llm.cuda_paths = request.param == "cpu-cuda-paths"
+    return llm
+
+
+def _use_cuda_paths(llm: LLM) -> None:
+    runner = llm.engine.core.executor.runner
+    runner.graphs = DecodeGraphs(runner.steps, capture=False)
+    runner.host_ring = HostRing(allocate=lambda numel, dtype: torch.empty(numel, dtype=dtype),
+                                event_factory=_LandedEvent)
 
 
 def _tiny(base: LLM, overlap: bool, **kwargs) -> LLM:
     settings = {"num_scheduler_steps": 8, "num_gpu_blocks_override": 256, "max_num_seqs": 16, **kwargs}
-    return LLM("random:tiny", share_model_with=base, async_scheduling=overlap, device=base.engine.config.device,
-               **settings)
+    llm = LLM("random:tiny", share_model_with=base, async_scheduling=overlap, device=base.engine.config.device,
+              dtype="float32", **settings)
+    if base.cuda_paths:  # a new engine over the shared runner resets its graphs
+        _use_cuda_paths(llm)
+    return llm
 
 
 def _workload(seed: int, count: int = 40) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -261,8 +261,9 @@ def test_cuda_events_and_pinned_ring_time_a_window_without_waiting_on_the_clock(
 
 # ---- the engine -----------------------------------------------------------------------------
 def test_engine_steps_pair_with_their_timings(tiny):
+    # Overlap off: with it, a window's last forward is harvested by the next window.
     llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=4, num_gpu_blocks_override=256,
-              max_num_seqs=8)
+              max_num_seqs=8, async_scheduling=False)
     forced_before = llm.engine.executor.runner.clock.num_forced_syncs
     prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i]} for i in range(5)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))

@@ -264,7 +264,7 @@ class ModelRunner:
         # Without a host consumer per step (guided rows, or the CPU where copies are free) the
         # whole window is launched without waiting; tokens reach the host as each step's copy lands.
         # The choice depends on the plan only, so every rank of a group loops alike.
-        stream_async = self.device.type == "cuda" and not has_guided_rows(sampling_rows)
+        stream_async = self.host_ring is not None and not has_guided_rows(sampling_rows)
         outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail)
         outputs.push(1, state.emitted, out, sync=not stream_async)
         if guide is not None:
@@ -289,7 +289,9 @@ class ModelRunner:
             outputs.push(step, emitted, out, sync=not stream_async)
             if guide is not None:
                 guide.accept(outputs.last_tokens)
-        last = graph.inputs if graph is not None else {"tokens": state.tokens, "emitted": state.emitted}
+        # The graph's buffers hold the last step once it replayed one (it loads the tokens, not `emitted`).
+        replayed = graph is not None and timings.num_steps > 1
+        last = graph.inputs if replayed else {"tokens": state.tokens, "emitted": state.emitted}
         return self._end_window(outputs, timings, sampling_rows, last, defer_tail)
 
     def _end_window(self, outputs: StepStream, timings: WindowTimings, sampling_rows, last: dict,
