@@ -71,14 +71,14 @@ small)
     ;;
 final)
     # the window-loop and fused-kernel GPU test files, then random:smollm2-135m served with default flags
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_overlap.py tests/engine/test_step_timer.py \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_overlap.py tests/engine/test_step_timer.py \
         tests/engine/test_arrival_cuts.py tests/engine/test_decode_graphs.py tests/kernels/test_fused.py \
         >"$OUT/tests.log" 2>&1
     echo "== tests exit $?"
     tail -n 8 "$OUT/tests.log"
     mkdir -p /tmp/small
-    OUT=/tmp/small timeout 170 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "overlap=" \
-        --client-processes "$CLIENTS" --budget 160 >/tmp/small/served.log 2>&1
+    OUT=/tmp/small timeout 150 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "overlap=" \
+        --client-processes "$CLIENTS" --budget 140 >/tmp/small/served.log 2>&1
     echo "== smollm2 exit $?"
     cp /tmp/small/served.json "$OUT/served_smollm2.json" 2>/dev/null
     tar -czf "$OUT/logs.tgz" -C /tmp small 2>/dev/null
