@@ -22,6 +22,8 @@ class GatewayError(Exception):
 def error_response(error: GatewayError, request_id: str | None = None) -> JSONResponse:
     """A server-side failure names the request id, which the gateway's log line carries too."""
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else {}
+    if error.status == 408:  # the rest of a slow body may still trickle in: the connection is not reused
+        headers["Connection"] = "close"
     message = error.message
     if request_id:
         headers["x-request-id"] = request_id

@@ -36,7 +36,8 @@ from lockstep_engine.api.errors import (
     refused_unstarted,
     route_not_found,
 )
-from lockstep_engine.api.large_body import LARGE_BODY_BYTES, LargeBodyReader
+from lockstep_common.large_body import LARGE_BODY_BYTES, LargeBodyReader
+from lockstep_engine.api.large_body import body_limits
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -295,8 +296,8 @@ class GuardMiddleware:
         reason = self.state.unavailable_reason()
         if reason is not None:
             return error_response(503, reason, None, RETRYABLE)
-        max_model_len = self.state.serving.config.max_model_len
-        refused = await asyncio.to_thread(self.state.large_bodies.refusal, body, max_model_len)
+        limits = body_limits(self.state.serving.config.max_model_len)
+        refused = await asyncio.to_thread(self.state.large_bodies.refusal, body, limits)
         return None if refused is None else error_response(400, *refused)
 
 
