@@ -165,12 +165,23 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     tool_choice, parallel = _chat_tool_choice(body.tool_choice)
     user = (body.metadata or {}).get("user_id")
     extras = {name: value for name, value in (body.model_extra or {}).items() if name in SAMPLING_EXTRAS}
-    return ChatCompletionRequest.model_validate({
-        **extras, "model": body.model, "messages": messages, "max_tokens": body.max_tokens, "temperature": body.temperature,
-        "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences, "stream": body.stream,
+    fields = {
+        **extras, "model": body.model, "messages": messages, "max_tokens": body.max_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences,
+        "stream": body.stream,
         "tools": None if body.tools is None else [_chat_tool(tool, i) for i, tool in enumerate(body.tools)],
         "tool_choice": tool_choice, "parallel_tool_calls": parallel,
-        "user": user if isinstance(user, str) else None})
+        "user": user if isinstance(user, str) else None}
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as error:  # a vLLM extra of the wrong type: named by its field, as on chat
+        raise _invalid(error) from None
+
+
+def _invalid(error: ValidationError):
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ())) or "body"
+    return bad_request(f"{where}: {first.get('msg', 'invalid')}", where)
 
 
 # ---- the answer ----------------------------------------------------------------------------------
@@ -378,9 +389,7 @@ def count_tokens(serving, body: dict) -> dict:
     try:
         request = MessagesRequest.model_validate({"max_tokens": 1, **body})
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "body"
-        raise bad_request(f"{where}: {first.get('msg', 'invalid')}", where) from None
+        raise _invalid(error) from None
     chat = chat_request(request)
     tools.ToolCalling.of(chat, serving.tool_call_parser)
     return {"input_tokens": len(serving.chat_prompt(chat.messages, True, False, tools.template_kwargs(chat)))}
