@@ -13,6 +13,7 @@ from gateway_harness import MODEL, Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
 from hostile_bodies import send_all
+from hostile_constraints import send_all as send_constraints
 from schema_fuzz import run_fuzz
 
 MIN_GENERATED = 5000
@@ -38,5 +39,40 @@ def test_schema_fuzz_through_the_gateway_gets_no_5xx(log_dir, start_gateway):
         served = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": [1], "max_tokens": 2},
                             timeout=30)
         assert served.status_code == 200
+    finally:
+        engine.stop()
+
+
+def test_hostile_constraints_and_large_bodies_through_the_gateway_get_4xx_beside_a_stream(log_dir, start_gateway):
+    """The constraints that crashed an engine (a `$ref` chain of 2500, a grammar of 10,000 chained rules) and
+    the rest of hostile_constraints.py, then bodies whose sizes alone refuse them (2,000,000 token ids, a
+    1,000,000-item list), through the gateway to a SmolLM2 engine (structured outputs need its tokenizer):
+    never a 5xx, both processes alive, and a stream beside them reaches its end."""
+    engine = Engine("hostile-engine", log_dir)
+    engine.argv[engine.argv.index(MODEL)] = "smollm2"
+    engine.argv += ["--max-model-len", "256", "--num-scheduler-steps", "1", "--skip-warmup"]
+    engine.start()
+    try:
+        engine.wait_healthy()
+        gateway = start_gateway(f"--engine={engine.url}", expect_healthy={engine.url})
+        with httpx.stream("POST", gateway.url + "/v1/completions", timeout=300, json={
+                "model": "smollm2", "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True,
+                "stream": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            answers = send_constraints(gateway.url, "smollm2", seed=2)
+            assert [(name, status) for name, status, _, _ in answers if status not in (200, 400)] == []
+            chains = {name: error for name, status, error, _ in answers if name.startswith("$ref chain of ")
+                      and status == 400}
+            assert {"$ref chain of 2500", "$ref chain of 10000"} <= set(chains), answers
+            assert all(error["param"] == "response_format" for error in chains.values()), chains
+            for fields, param in (({"prompt": [1000 + i % 30_000 for i in range(2_000_000)]}, "prompt"),
+                                  ({"prompt": [1], "stop": ["x"] * 1_000_000}, "stop")):
+                refused = httpx.post(gateway.url + "/v1/completions", timeout=120,
+                                     json={"model": "smollm2", "max_tokens": 1, **fields})
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+            rest = [line for line in lines if line.startswith("data: {")]
+        assert '"finish_reason":"length"' in rest[-1].replace(" ", ""), rest[-1]
+        assert engine.alive() and gateway.alive()
     finally:
         engine.stop()
