@@ -12,8 +12,10 @@ Supervision: an engine that exits after it was once ready (a crash, a kill, its 
 started again on the same port after a back-off (1, 2, 5, 10, 30 s; back to 1 s once it stayed
 ready for a minute), and the gateway's health checks readmit it. One that was ready and then fails
 its health checks for `--liveness-timeout` seconds (a hung or core-less API server) is killed and
-restarted the same way. One that dies before it was ever ready stops the stack with its exit code
-(a wrong model or flag would only crash again).
+restarted the same way. An engine that dies while it starts is restarted the same way too, wherever
+start-up was (loading, or ready and admitted by the gateway before `up` saw it ready): after
+`MAX_FAILED_STARTS` starts in a row that ended before `up` saw it ready, the stack stops with its exit
+code (a wrong model or flag would only crash again).
 
 Ctrl-C or SIGTERM stops everything: the gateway closes, every engine gets SIGTERM (it drains), and
 after `--shutdown-timeout` its whole process group gets SIGKILL; a second Ctrl-C kills at once.
@@ -39,6 +41,7 @@ from lockstep_common.argparsing import ArgumentParser, port_number
 from lockstep_common.sockets import die_with_parent
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+MAX_FAILED_STARTS = 3  # starts in a row that died before they were ready: then `up` stops
 STABLE_AFTER_S = 60.0  # ready this long: the next crash restarts after the first back-off again
 
 
@@ -142,7 +145,7 @@ class EngineProcess:
                      "--port", str(self.port), *engine_args]
         self.process: asyncio.subprocess.Process | None = None
         self.ready = False
-        self.was_ready = False  # in any run: a later death is a crash to restart, not a bad setup
+        self.failed_starts = 0  # starts in a row that died before `up` saw them ready
         self.ready_since: float | None = None  # this run
         self.failing_since: float | None = None  # this run, after it was ready
         self.restarts = 0
@@ -252,11 +255,14 @@ class Stack:
             if self.stopping.is_set():
                 return
             engine.kill_group()  # what the dead API server leaves behind (its engine core) goes too
-            if not engine.was_ready:
-                say(f"engine {engine.index} exited with code {code} while loading; stopping")
-                self.exit_code = code or 1
-                self.stopping.set()
-                return
+            if engine.ready_since is None:
+                engine.failed_starts += 1
+                if engine.failed_starts >= MAX_FAILED_STARTS:
+                    say(f"engine {engine.index} exited with code {code} before it was ready, {engine.failed_starts} "
+                        f"starts in a row; stopping")
+                    self.exit_code = code or 1
+                    self.stopping.set()
+                    return
             if engine.ready_since is not None and time.monotonic() - engine.ready_since >= STABLE_AFTER_S:
                 engine.restarts = 0
             delay = RESTART_BACKOFF_S[min(engine.restarts, len(RESTART_BACKOFF_S) - 1)]
@@ -280,7 +286,7 @@ class Stack:
                         with contextlib.suppress(httpx.HTTPError):
                             ready = (await client.get(engine.url + "/health")).status_code == 200
                     if ready and not engine.ready:
-                        engine.was_ready = True
+                        engine.failed_starts = 0
                         if engine.ready_since is None:
                             engine.ready_since = time.monotonic()
                         say(f"engine {engine.index} ready on {engine.url} ({time.monotonic() - started:.0f}s)")

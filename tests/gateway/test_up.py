@@ -163,3 +163,19 @@ def test_up_stops_whole_when_its_gateways_health_listener_dies(tmp_path):
     output = log_path.read_text()
     assert "the health listener process closed its channel" in output
     assert "the gateway's health listener process died; stopping" in output and "stopped" in output
+
+
+def test_an_engine_that_dies_while_it_starts_is_restarted_and_then_stops_the_stack(tmp_path):
+    """Every death before `up` saw the engine ready counts the same, wherever start-up was: restarted with
+    the back-off of a crash, and after three such starts in a row `up` exits with the engine's code (a
+    wrong model would only die again)."""
+    log_path = tmp_path / "up.log"
+    up = start_up("random:no-such-shape", free_port(), log_path)
+    try:
+        code = up.wait(timeout=180)
+    finally:
+        _kill_whole(up)
+    output = log_path.read_text()
+    assert code != 0, output
+    assert output.count("restarting it in") == 2, output
+    assert "before it was ready, 3 starts in a row; stopping" in output, output
