@@ -492,9 +492,15 @@ class Proxy:
 
     # ---- token accounting ---------------------------------------------------------------------------
     def _settle(self, job: Job, usage) -> None:
-        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int) and not job.settled:
+        if not isinstance(usage, dict) or job.settled:
+            return
+        total = usage.get("total_tokens")
+        if total is None and isinstance(usage.get("input_tokens"), int) and isinstance(usage.get("output_tokens"), int):
+            # /v1/messages: Anthropic's usage has no total; the prompt is input plus cache reads
+            total = usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0) + usage["output_tokens"]
+        if isinstance(total, int):
             job.settled = True
-            self.limiter.settle(job.rate_key, job.estimated_tokens, usage["total_tokens"])
+            self.limiter.settle(job.rate_key, job.estimated_tokens, total)
 
     def _settle_from_json(self, job: Job, body: bytes) -> None:
         if self.limiter.tpm:
@@ -507,7 +513,7 @@ class Proxy:
         if not self.limiter.tpm:
             return
         for line in events.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage"' in line:
+            if line.startswith(b"data: {") and b'"usage"' in line and b'"type":"message_start"' not in line:
                 try:
                     self._settle(job, json.loads(line[6:]).get("usage"))
                 except (ValueError, AttributeError):

@@ -8,7 +8,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from gateway_harness import free_port, start_up, wait_up
+from gateway_harness import free_port, start_up, wait_for, wait_up
 
 KEY = "sk-gateway-anthropic-0123456789"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -43,7 +43,10 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
 
 def test_the_banner_and_a_request_without_model_take_the_first_served_name(stack):
     url, log_path = stack
-    assert "(model 'my-model', 1 engine(s))" in log_path.read_text()
+    # up prints the banner at its next look at the engines, which may come after the gateway saw them ready
+    banner = wait_for("the ready banner", lambda: [line for line in log_path.read_text().splitlines()
+                                                   if "ready: OpenAI API at" in line], timeout=30)
+    assert "(model 'my-model', 1 engine(s))" in banner[0]
     reply = _post(url, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4})
     assert reply.status_code == 200, reply.text
     assert reply.json()["model"] == "my-model"
@@ -86,3 +89,18 @@ def test_a_vllm_route_through_the_gateway_is_a_404_naming_it(stack):
     reply = _post(stack[0], "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/b"})
     assert reply.status_code == 404
     assert "does not serve /v1/load_lora_adapter (a vLLM route): LoRA adapters" in reply.json()["error"]["message"]
+
+
+def test_a_tokens_per_minute_limit_is_settled_by_anthropics_usage(stack, start_gateway):
+    # Each request is estimated at ~310 tokens (max_tokens 300) of a 400/min budget, and answered in far
+    # fewer: only when the usage (input + cache reads + output) gives the rest back does the second fit.
+    engines = httpx.get(stack[0] + "/gateway/engines", headers={"Authorization": f"Bearer {KEY}"}, timeout=5)
+    engine = engines.json()["engines"][0]["url"]
+    gateway = start_gateway(f"--engine={engine}", "--rate-limit-tpm=400", expect_healthy={engine})
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=120.0)
+    first = client.messages.create(model="my-model", max_tokens=300, messages=QUESTION, extra_body=GREEDY)
+    assert first.stop_reason == "end_turn" and first.usage.output_tokens < 100
+    with client.messages.stream(model="my-model", max_tokens=300, messages=QUESTION, extra_body=GREEDY) as stream:
+        assert stream.get_final_message().content[0].text == first.content[0].text
+    client.messages.create(model="my-model", max_tokens=300, messages=QUESTION, extra_body=GREEDY)
+    assert gateway.metric("lockstep_gateway_rate_limited_requests_total") == 0
