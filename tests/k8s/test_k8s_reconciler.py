@@ -11,7 +11,7 @@ from k8s_harness import wait_for
 from lockstep_operator import metrics
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.plan import Observed
-from lockstep_operator.reconciler import Coalescer, Reconciler
+from lockstep_operator.reconciler import Coalescer, Reconciler, scrape
 
 
 def test_requests_during_a_run_fold_into_one_more_run():
@@ -132,3 +132,37 @@ def test_a_reconcile_counts_and_times_itself():
 def test_wait_for_reports_the_last_value_at_the_deadline():
     with pytest.raises(AssertionError, match="waiting for nothing; last: 0"):
         wait_for("nothing", lambda: 0, timeout=0.05, interval=0.01)
+
+
+def test_an_unreadable_gateway_queue_is_a_warning_once_until_it_answers_again(caplog):
+    import http.server
+
+    failing: set[str] = set()
+    closed = "http://127.0.0.1:9/metrics"  # the discard port: nothing listens on loopback there
+    with caplog.at_level("INFO", logger="lockstep_operator.reconciler"):
+        assert scrape(closed, timeout=1, failing=failing) == ""
+        assert scrape(closed, timeout=1, failing=failing) == ""
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "cannot read the gateway's queue depth" in warnings[0].getMessage()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            body = b'lockstep_gateway_queue_depth{model="m"} 2\n'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.handle_request, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    failing.add(url)
+    with caplog.at_level("INFO", logger="lockstep_operator.reconciler"):
+        assert "queue_depth" in scrape(url, timeout=5, failing=failing)
+    server.server_close()
+    assert url not in failing
+    assert any("again" in r.getMessage() for r in caplog.records if r.levelname == "INFO")
