@@ -98,17 +98,47 @@ class TokenBatch:
     num_cached_tokens=..., scheduled_at=...)`. The columns other than `token_ids` are one window's:
     the core builds them once and shares them between its steps' batches (never changed after)."""
 
-    request_ids: list[str]
-    indices: list[int]
-    num_cached_tokens: list[int]
-    scheduled_at: list[float | None]
+    request_ids: list[str] | None
+    indices: list[int] | None
+    num_cached_tokens: list[int] | None
+    scheduled_at: list[float | None] | None
     token_ids: list[int]
+    # The window whose columns these are. Over the core's pipe a window's columns travel with its first
+    # batch only: the later ones carry None and the reader puts back the columns it kept (`ColumnCache`).
+    window: int = 0
 
     def outputs(self) -> Iterator[SequenceOutput]:
         for request_id, index, cached, scheduled_at, token in zip(
                 self.request_ids, self.indices, self.num_cached_tokens, self.scheduled_at, self.token_ids):
             if token >= 0:
                 yield SequenceOutput(request_id, index, [token], None, None, None, cached, scheduled_at)
+
+
+class ColumnCache:
+    """One end of the core's pipe: the writer sends a window's `TokenBatch` columns once (`strip`), the
+    reader restores them on the window's later batches (`restore`). Pickling 256 request ids at every
+    step cost the writer thread more than the step's tokens; one window's columns are sent once instead
+    of N times. The pipe keeps order, so the reader always has the columns before a stripped batch."""
+
+    def __init__(self):
+        self._window: int | None = None
+        self._columns: tuple | None = None
+
+    def strip(self, batch: TokenBatch) -> TokenBatch:
+        if batch.window == self._window:
+            return TokenBatch(None, None, None, None, batch.token_ids, batch.window)
+        self._window = batch.window
+        return batch
+
+    def restore(self, batch: TokenBatch) -> TokenBatch:
+        if batch.request_ids is not None:
+            self._window = batch.window
+            self._columns = (batch.request_ids, batch.indices, batch.num_cached_tokens, batch.scheduled_at)
+            return batch
+        if batch.window != self._window:
+            raise ValueError(f"a token batch of window {batch.window} came without its columns "
+                             f"(the last columns were of window {self._window})")
+        return TokenBatch(*self._columns, batch.token_ids, batch.window)
 
 
 @dataclass

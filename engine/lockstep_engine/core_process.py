@@ -41,6 +41,7 @@ class _Writer(threading.Thread):
         self.conn = conn
         self.loop = core_loop
         self.outbox: queue.Queue = queue.Queue()
+        self.columns = p.ColumnCache()  # a window's token-batch columns go once
 
     def run(self) -> None:
         last_sent = 0.0
@@ -53,6 +54,8 @@ class _Writer(threading.Thread):
                 continue
             if message is None:
                 message = p.Heartbeat(time.monotonic(), self.loop.progress_at, self.loop.stats_snapshot)
+            elif isinstance(message, p.StepOutputs) and message.batch is not None:
+                message = p.StepOutputs(message.outputs, message.emitted_at, self.columns.strip(message.batch))
             try:
                 self.conn.send(message)
             except (OSError, EOFError, ValueError):  # the API server is gone

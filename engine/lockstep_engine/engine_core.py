@@ -14,6 +14,7 @@ error there is fatal, and the core process exits.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 import traceback
@@ -412,6 +413,9 @@ class EngineCore:
                               prompt_logprobs=prompt)
 
 
+_window_ids = itertools.count(1)  # `TokenBatch.window`: which window's columns a batch carries
+
+
 class _Cuts:
     """Whether a window ends before its planned steps: after its first step when it computes part of a
     prompt (`prompt_left`: the next chunk need not wait), or when the core loop says so (`should_cut`:
@@ -434,6 +438,7 @@ class _WindowRows:
     here once per window. The others (`per_row_now`) take `EngineCore._append_token`, one by one."""
 
     def __init__(self, sampling: list[ScheduledSeq], finished: list[Sequence]):
+        self.window = next(_window_ids)
         self.seqs = seqs = [row.seq for row in sampling]
         self._appends = [seq.token_ids.append for seq in seqs]
         # A token pending from the previous window's tail arrives during this one: not this window's.
@@ -463,7 +468,7 @@ class _WindowRows:
         for append, token in zip(self._appends, tokens):
             if token >= 0:
                 append(token)
-        return TokenBatch(*self._columns, tokens) if tokens.count(-1) < len(tokens) else None
+        return TokenBatch(*self._columns, tokens, self.window) if tokens.count(-1) < len(tokens) else None
 
     def _take_finished(self) -> None:
         finished = self._finished

@@ -124,6 +124,8 @@ def _serve_long_then_late() -> tuple[dict[str, list[int]], float]:
     finished: set[str] = set()
     cuts = 0.0
 
+    columns = p.ColumnCache()
+
     def receive_until(done, timeout_s: float) -> None:
         nonlocal cuts
         deadline = time.monotonic() + timeout_s
@@ -135,6 +137,8 @@ def _serve_long_then_late() -> tuple[dict[str, list[int]], float]:
             if isinstance(message, p.CoreReady):
                 tokens["ready"] = []
             elif isinstance(message, p.StepOutputs):
+                if message.batch is not None:  # a window's columns come with its first batch only
+                    message.batch = columns.restore(message.batch)
                 for output in message.all_outputs():
                     tokens.setdefault(output.request_id, []).extend(output.token_ids)
                     if output.finish_reason is not None:

@@ -102,6 +102,7 @@ class EngineCoreClient:
         # A sender thread writes to the pipe, so a core that stopped reading blocks it, not the event loop.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._watchdog: asyncio.Task | None = None
+        self._columns = p.ColumnCache()  # the core sends a window's token-batch columns once
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -240,6 +241,8 @@ class EngineCoreClient:
     def _on_message(self, message, received_at: float) -> None:
         self._last_heard = max(self._last_heard, received_at)
         if isinstance(message, p.StepOutputs):
+            if message.batch is not None:
+                message.batch = self._columns.restore(message.batch)
             self._loop_progress_at = max(self._loop_progress_at, message.emitted_at)
             metrics.observe_output_ipc(received_at - message.emitted_at)
             started = time.perf_counter()
