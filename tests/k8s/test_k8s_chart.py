@@ -425,3 +425,23 @@ def test_the_gateway_is_ready_only_with_an_engine_spreads_its_replicas_and_bound
         for deployment in (d for d in docs if d["kind"] == "Deployment"):
             volumes = deployment["spec"]["template"]["spec"]["volumes"]
             assert all("sizeLimit" in v["emptyDir"] for v in volumes if "emptyDir" in v), deployment["metadata"]["name"]
+
+
+def test_every_crd_field_has_a_description():
+    """What `kubectl explain llmservice.<field>` prints: every property, item and map value but the
+    root's metadata (the API server forbids describing it)."""
+    missing = []
+
+    def walk(node: dict, path: str) -> None:
+        if "description" not in node and path != ".metadata" and path != ".metadata.name":
+            missing.append(path)
+        for key, child in (node.get("properties") or {}).items():
+            walk(child, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], f"{path}{{}}")
+
+    for key, child in crd_schema()["properties"].items():
+        walk(child, f".{key}")
+    assert missing == []
