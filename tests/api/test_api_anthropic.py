@@ -12,6 +12,8 @@ import openai
 import pytest
 from api_harness import Server
 
+from lockstep_engine.api.anthropic import MessagesRequest, chat_request
+
 KEY = "anthropic-test-key"
 NAME = "smol-messages"
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
@@ -23,6 +25,37 @@ TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_sche
 # The SDK's create() no longer takes temperature, top_p or top_k (newer Claude models fix them): they go as
 # extra body fields, which this server reads as the Messages API defines them.
 GREEDY = {"temperature": 0}
+
+
+def test_a_conversation_becomes_the_chat_request_it_means():
+    chat = chat_request(MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}], "temperature": 0.5,
+        "top_p": 0.9, "top_k": 7, "stop_sequences": ["END"], "metadata": {"user_id": "u1"}, "seed": 3,
+        "tools": TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": ""},
+                                              {"type": "text", "text": "Checking."},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Paris", "unit": "c"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "text", "text": "18 C"}]},
+                                         {"type": "text", "text": "And?"}]}]}))
+    assert (chat.max_tokens, chat.temperature, chat.top_p, chat.top_k, chat.stop, chat.user, chat.seed) == \
+        (9, 0.5, 0.9, 7, ["END"], "u1", 3)
+    assert (chat.tool_choice, chat.parallel_tool_calls) == ("required", False)
+    assert chat.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                                            "description": "Weather in a city"}}]
+    roles = [(m.role, m.model_extra.get("tool_call_id")) for m in chat.messages]
+    assert roles == [("system", None), ("user", None), ("assistant", None), ("tool", "toolu_1"), ("user", None)]
+    assert [part.text for part in chat.messages[2].content] == ["Checking."]
+    [call] = chat.messages[2].model_extra["tool_calls"]
+    assert call == {"id": "toolu_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}
+    assert chat.messages[3].content == "18 C"
+    named = chat_request(MessagesRequest.model_validate({"max_tokens": 1, "messages": QUESTION, "tools": TOOLS,
+                                                         "tool_choice": {"type": "tool", "name": "get_weather"}}))
+    assert named.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
