@@ -24,7 +24,11 @@ from lockstep_engine.output_processor import OutputProcessor, RequestState
 
 WATCHDOG_INTERVAL_S = 0.25
 SHUTDOWN_TIMEOUT_S = 10.0
-MAX_PENDING_SENDS = 1024  # messages for the core not yet written to its pipe; beyond it new requests get 503
+# Messages for the core not yet written to its pipe; beyond it new requests get 503. Requests in flight
+# are bounded by memory (--max-queued-memory-bytes), and each puts a few messages here at most: this only
+# catches a core that stopped reading. A burst of a few thousand requests sent at once is written to the
+# pipe more slowly than it arrives, so the bound is far above any burst the memory budget admits.
+MAX_PENDING_SENDS = 65536
 
 
 class EngineBusyError(RuntimeError):
