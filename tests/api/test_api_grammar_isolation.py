@@ -146,3 +146,25 @@ def test_a_crash_in_a_grammar_worker_fails_only_its_request(planted_server):
     assert planted_server.process.poll() is None
     assert "grammar worker" in planted_server.log_tail(200) and "SIGSEGV" in planted_server.log_tail(200)
     assert httpx.get(f"{planted_server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_killed_api_process_leaves_no_worker_behind():
+    """kill -9 of `lockstep serve` after a large body started its reader worker: neither it nor the resource
+    tracker outlives the server (the large-text tokenizer worker and a resource tracker did before; the
+    large-text worker is the same kind of worker now)."""
+    server = Server("random:tiny", "--num-gpu-blocks-override", "64", "--max-model-len", "256",
+                    name="killed-api").wait_healthy()
+    try:
+        body = {"model": "random:tiny", "prompt": [5] * 700_000, "max_tokens": 1}  # 1.4 MB or more: read by a worker
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 400
+        children = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True,
+                                  check=False).stdout.split()
+        commands = {int(pid): Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children}
+        workers = [pid for pid, command in commands.items() if pid != server.core_pid()
+                   and (b"spawn_main" in command or b"resource_tracker" in command)]
+        assert len(workers) >= 2, commands  # the large-body reader and multiprocessing's resource tracker
+        server.process.kill()
+        server.process.wait(10)
+        wait_until(lambda: not any(map(_alive, workers)), 10, what=f"workers {workers} gone after the kill -9")
+    finally:
+        server.stop()
