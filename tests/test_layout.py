@@ -65,10 +65,12 @@ def test_gateway_reports_the_version_of_the_lockstep_package():
 
 def test_the_shared_package_imports_only_the_standard_library():
     """lockstep_common serves the gateway, the engine and the bare `lockstep` command: importing all of it in a fresh
-    interpreter loads no module outside the standard library and itself."""
+    interpreter loads no module outside the standard library and itself (`__mp_main__` is no module of its own:
+    importing multiprocessing names `__main__` so as well)."""
     code = ("import pkgutil, sys, importlib, lockstep_common; "
             "[importlib.import_module(m.name) for m in pkgutil.iter_modules(lockstep_common.__path__, 'lockstep_common.')]; "
-            "print(sorted({n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names) - {'lockstep_common', '__main__'}))")
+            "print(sorted({n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names) "
+            "- {'lockstep_common', '__main__', '__mp_main__'}))")
     result = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout

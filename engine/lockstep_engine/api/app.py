@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
-import re
 import time
 import traceback
 from urllib.parse import parse_qsl, urlencode
@@ -26,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 import lockstep
 from lockstep_engine.api import anthropic, metrics, responses
+from lockstep_engine.api.body_text import undecodable_text
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
 from lockstep_engine.api.errors import (
     REQUEST_FAULT,
@@ -259,7 +258,7 @@ class GuardMiddleware:
         if too_large:
             return await error_response(413, f"request body larger than {settings.max_body_bytes} bytes",
                                         None, {"Connection": "close"})(scope, receive, send)
-        bad_text = _undecodable_text(body)
+        bad_text = undecodable_text(body)
         if bad_text is not None:
             return await error_response(400, *bad_text)(scope, receive, send)
         if len(body) >= LARGE_BODY_BYTES and scope["method"] == "POST":
@@ -312,56 +311,6 @@ def _redact_query_key(scope) -> bool:
     scope["query_string"] = urlencode(
         [(name, "REDACTED" if name.lower() in ("api_key", "api-key", "apikey", "key") else value)
          for name, value in pairs]).encode("latin-1")
-    return True
-
-
-# A \uD800-\uDFFF escape, or a surrogate encoded as UTF-8 (ED A0..BF xx, which json.loads lets through
-# as a lone surrogate): only then can a parsed string hold text no tokenizer or encoder takes.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-
-
-def _may_hold_surrogate(body: bytes) -> bool:
-    """`_SURROGATE_ESCAPE.search`, after three substring tests that run at memory speed: the regex alone, which
-    has no literal to look for first, held the event loop for 170-200 ms on a 13 MB body of token ids."""
-    return (b"\\ud" in body or b"\\uD" in body or b"\xed" in body) and _SURROGATE_ESCAPE.search(body) is not None
-
-
-def _undecodable_text(body: bytes) -> tuple[str, str] | None:
-    """(message, param) for a body that is not UTF-8 or holds a lone surrogate, naming the field by its
-    JSON path (a key that is not text is named by the object holding it: the message never echoes it)."""
-    if not _may_hold_surrogate(body):  # the common case: no parse
-        try:
-            body.decode("utf-8")
-            return None
-        except UnicodeDecodeError as error:
-            text = body.decode("utf-8", "surrogateescape")
-            problem = f"is not valid UTF-8 (byte 0x{body[error.start]:02x})"
-    else:
-        text, problem = body, "holds a lone UTF-16 surrogate, which is not valid Unicode"
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        return None  # the JSON error is reported as such
-    stack = [(data, "body")]
-    while stack:
-        value, where = stack.pop()
-        if isinstance(value, str) and not _is_text(value):
-            return f"{where}: the text {problem}", where
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not _is_text(key):
-                    return f"{where}: a key {problem}", where
-                stack.append((item, key if where == "body" else f"{where}.{key}"))
-        elif isinstance(value, list):
-            stack.extend((item, f"{where}.{i}") for i, item in enumerate(value))
-    return None
-
-
-def _is_text(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
     return True
 
 
