@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 import lockstep
 from lockstep_engine.api import anthropic, metrics, responses
+from lockstep_engine.api import tokenize as token_routes
 from lockstep_engine.api.body_text import undecodable_text
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
 from lockstep_engine.api.errors import (
@@ -472,11 +473,11 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):
-        return JSONResponse(await asyncio.to_thread(state.require_serving().tokenize, body))
+        return JSONResponse(await asyncio.to_thread(token_routes.tokenize, state.require_serving(), body))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest):
-        return JSONResponse(await asyncio.to_thread(state.require_serving().detokenize, body))
+        return JSONResponse(await asyncio.to_thread(token_routes.detokenize, state.require_serving(), body))
 
     return app
 

@@ -29,9 +29,7 @@ from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    DetokenizeRequest,
     SamplingFields,
-    TokenizeRequest,
 )
 from lockstep_engine.api.server_defaults import ServerDefaults
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
@@ -477,27 +475,3 @@ class OpenAIServing:
         finally:
             watcher.cancel()
         self.client.release(generation)
-
-    # ---- /tokenize, /detokenize -----------------------------------------------------------------
-    def tokenize(self, body: TokenizeRequest) -> dict:
-        self.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("expected exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
-            tokens = self.chat_prompt(body.messages, body.add_generation_prompt is not False, False, None)
-        else:
-            tokens = self.encode(body.prompt, body.add_special_tokens is not False)
-        result = {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
-        if body.return_token_strs:
-            result["token_strs"] = [self.token_str(t) for t in tokens]
-        return result
-
-    def detokenize(self, body: DetokenizeRequest) -> dict:
-        self.check_model(body.model)
-        if self.tokenizer is None:
-            raise bad_request(f"tokens: model {self.model_name!r} has no tokenizer", "tokens")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
-        return {"prompt": self.decode(body.tokens)}
