@@ -371,7 +371,7 @@ def test_the_gpu_example_is_two_pods_of_four_gpus():
     spec = parse_spec(example["metadata"]["name"], example["spec"], default_image=CONFIG.engine_image)
     sts = builders.group_statefulset({**OWNER, "metadata": {**OWNER["metadata"], "name": "llama-70b"}}, spec, 0, CONFIG)
     assert (sts["spec"]["replicas"], env_of(sts)["LOCKSTEP_RANKS_PER_POD"]) == (2, "4")
-    assert container(sts)["resources"]["limits"] == {"nvidia.com/gpu": 4}
+    assert container(sts)["resources"]["limits"] == {"memory": "200Gi", "nvidia.com/gpu": 4}
     assert violations(pod_spec(sts)) == []
     kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
 
