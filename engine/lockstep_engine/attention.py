@@ -39,7 +39,19 @@ class AttentionMetadata:
         return self._int32[name]
 
 
-class TorchPagedAttention:
+class PagedAttention:
+    """What every backend's call is: write this step's k and v into the cache at their slots, then attend
+    q over the cache. Backends give `write_kv` and `attend` (the model may also call them apart: the fused
+    rotary kernel writes k and v itself)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta)
+
+
+class TorchPagedAttention(PagedAttention):
     """SDPA over KV gathered from the block table; correct for any mix of prefill and decode."""
 
     name = "torch"
@@ -54,12 +66,6 @@ class TorchPagedAttention:
                  slot_mapping: torch.Tensor) -> None:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep_engine.attention import AttentionMetadata, TorchPagedAttention
+from lockstep_engine.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from lockstep_engine.config import ATTENTION_BACKENDS
 # auto's choice per phase on compute capability 9.x. Triton for both until benchmarks/attention_backends.py
 # has compared the two on the H200 (not run yet): the one earlier trial there, flash-attn-4 4.0.0b36 paged
@@ -26,7 +26,7 @@ AUTO_BY_PHASE = {"decode": "triton", "prefill": "triton"}
 AUTO_CAPABILITY = 9
 
 
-class PhaseAttention:
+class PhaseAttention(PagedAttention):
     """Decode steps through one backend, prefill and mixed steps through another."""
 
     def __init__(self, decode, prefill):
@@ -34,11 +34,6 @@ class PhaseAttention:
         self.name = f"{decode.name}+{prefill.name}"
         self.graph_safe = getattr(decode, "graph_safe", False)  # graphs hold decode steps only
         self.write_kv = decode.write_kv
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

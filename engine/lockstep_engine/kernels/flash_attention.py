@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep_engine.attention import AttentionMetadata, TorchPagedAttention
+from lockstep_engine.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 
 EXTRA = "flash-attn"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,7 +41,7 @@ def load_flash_attn():
     return flash_attn_varlen_func
 
 
-class FlashAttnPagedAttention:
+class FlashAttnPagedAttention(PagedAttention):
     """FlashAttention-4 over the paged cache; drop-in for TorchPagedAttention on CUDA (bf16 / fp16)."""
 
     name = "flash-attn"
@@ -62,11 +62,6 @@ class FlashAttnPagedAttention:
         self.num_splits, self.pack_gqa = num_splits, pack_gqa
 
     write_kv = staticmethod(TorchPagedAttention.write_kv)
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_engine.attention import AttentionMetadata
+from lockstep_engine.attention import AttentionMetadata, PagedAttention
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -275,7 +275,7 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(PagedAttention):
     """Paged decode (split-KV when rows are few) and varlen prefill kernels; drop-in for TorchPagedAttention."""
 
     name = "triton"
@@ -326,10 +326,6 @@ class TritonPagedAttention:
             ROW=row, ROW_PAD=row_pad, TOKENS=per_program, BLOCK_SIZE=self.block_size, num_warps=4)
 
     # ---- attention ----
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
