@@ -45,44 +45,42 @@ for path in sys.argv[1:]:
 PY
 }
 
-case "${1:-}" in
-check)
-    timeout 230 python3 -m pytest -q -p no:cacheprovider tests/engine/test_overlap.py \
-        tests/engine/test_decode_graphs.py tests/engine/test_arrival_cuts.py tests/engine/test_step_timer.py \
-        >"$OUT/tests.log" 2>&1
+# served NAME MODEL SECONDS SETTING...: one rate-inf run per server setting, its JSON as $OUT/served_NAME.json
+served() {
+    local name=$1 model=$2 seconds=$3
+    shift 3
+    mkdir -p "/tmp/$name"
+    OUT=/tmp/$name timeout "$seconds" python3 benchmarks/h200_served.py --model "$model" --settings "$@" \
+        --client-processes "$CLIENTS" --budget $((seconds - 10)) >"/tmp/$name/served.log" 2>&1
+    echo "== $model exit $?"
+    cp "/tmp/$name/served.json" "$OUT/served_$name.json" 2>/dev/null
+    tar -czf "$OUT/logs_$name.tgz" -C /tmp "$name" 2>/dev/null
+    summary "$OUT/served_$name.json"
+}
+
+# gpu_tests SECONDS FILE...: the GPU test files, the tail of their log
+gpu_tests() {
+    local seconds=$1
+    shift
+    timeout "$seconds" python3 -m pytest -q -p no:cacheprovider "$@" >"$OUT/tests.log" 2>&1
     echo "== tests exit $?"
     tail -n 12 "$OUT/tests.log"
-    mkdir -p /tmp/large
-    OUT=/tmp/large timeout 310 python3 benchmarks/h200_served.py --settings "overlap=" \
-        "sync=--no-async-scheduling" --client-processes "$CLIENTS" --budget 300 >/tmp/large/served.log 2>&1
-    echo "== llama-3-8b exit $?"
-    cp /tmp/large/served.json "$OUT/served_llama.json" 2>/dev/null
-    tar -czf "$OUT/logs.tgz" -C /tmp large 2>/dev/null
-    summary "$OUT/served_llama.json"
+}
+
+WINDOW_TESTS=(tests/engine/test_overlap.py tests/engine/test_decode_graphs.py tests/engine/test_arrival_cuts.py
+              tests/engine/test_step_timer.py)
+
+case "${1:-}" in
+check)
+    gpu_tests 230 "${WINDOW_TESTS[@]}"
+    served llama random:llama-3-8b 310 "overlap=" "sync=--no-async-scheduling"
     ;;
 small)
-    mkdir -p /tmp/small
-    OUT=/tmp/small timeout 400 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "overlap=" \
-        "sync=--no-async-scheduling" --client-processes "$CLIENTS" --budget 390 >/tmp/small/served.log 2>&1
-    echo "== smollm2 exit $?"
-    cp /tmp/small/served.json "$OUT/served_smollm2.json" 2>/dev/null
-    tar -czf "$OUT/logs.tgz" -C /tmp small 2>/dev/null
-    summary "$OUT/served_smollm2.json"
+    served smollm2 random:smollm2-135m 400 "overlap=" "sync=--no-async-scheduling"
     ;;
 final)
-    # the window-loop and fused-kernel GPU test files, then random:smollm2-135m served with default flags
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_overlap.py tests/engine/test_step_timer.py \
-        tests/engine/test_arrival_cuts.py tests/engine/test_decode_graphs.py tests/kernels/test_fused.py \
-        >"$OUT/tests.log" 2>&1
-    echo "== tests exit $?"
-    tail -n 8 "$OUT/tests.log"
-    mkdir -p /tmp/small
-    OUT=/tmp/small timeout 150 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "overlap=" \
-        --client-processes "$CLIENTS" --budget 140 >/tmp/small/served.log 2>&1
-    echo "== smollm2 exit $?"
-    cp /tmp/small/served.json "$OUT/served_smollm2.json" 2>/dev/null
-    tar -czf "$OUT/logs.tgz" -C /tmp small 2>/dev/null
-    summary "$OUT/served_smollm2.json"
+    gpu_tests 120 "${WINDOW_TESTS[@]}" tests/kernels/test_fused.py
+    served smollm2 random:smollm2-135m 150 "overlap="
     ;;
 *)
     echo "usage: $0 check|small|final" >&2
