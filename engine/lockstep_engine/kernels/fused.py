@@ -136,6 +136,21 @@ def _rotate(src_ptr, dst_ptr, row, stride_src_t, stride_src_h, stride_dst_t, str
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, position, stride_table, like_ptr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """A position's cos and sin, first and second half each, as [1, HALF_PAD] rows. cos/sin are fp32
+    tables; torch rounds them to the activations' dtype (like_ptr's) before multiplying, and so does this."""
+    offs = tl.arange(0, HALF_PAD)
+    mask = offs < HALF
+    table = position * stride_table + offs
+    dtype = like_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + table + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + table + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
                    num_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_qot, stride_qoh, stride_kot, stride_koh, stride_table,
@@ -144,15 +159,7 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, s
     """One program per token: its cos/sin row is read once for all q and k heads."""
     row = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int64)
-    offs = tl.arange(0, HALF_PAD)
-    mask = offs < HALF
-    table = position * stride_table + offs
-    dtype = q_out_ptr.dtype.element_ty
-    # cos/sin are fp32 tables; torch rounds them to q's dtype before multiplying
-    c1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + table + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + table + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, position, stride_table, q_out_ptr, HALF, HALF_PAD)
     _rotate(q_ptr, q_out_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
             c1, c2, s1, s2, HALF, Q_HEADS_PAD, HALF_PAD)
     _rotate(k_ptr, k_out_ptr, row, stride_kt, stride_kh, stride_kot, stride_koh, num_kv_heads,
@@ -195,14 +202,7 @@ def _rotary_write_kv_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_cac
     """One program per token: rotated q to q_out, rotated k and v to the token's cache slot."""
     row = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int64)
-    offs = tl.arange(0, HALF_PAD)
-    mask = offs < HALF
-    table = position * stride_table + offs
-    dtype = q_out_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + table + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + table + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, position, stride_table, q_out_ptr, HALF, HALF_PAD)
     _rotate(q_ptr, q_out_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
             c1, c2, s1, s2, HALF, Q_HEADS_PAD, HALF_PAD)
     slot = tl.load(slot_ptr + row).to(tl.int64)
