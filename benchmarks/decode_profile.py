@@ -53,6 +53,19 @@ def group_of(name: str) -> str:
     return next((group for group, keys in GROUPS if any(key in lowered for key in keys)), "other")
 
 
+def group_times(prof, device: str, per: int) -> dict[str, float]:
+    """A profile's kernel time per `group_of` group, in us over `per` (steps or repeats): device time on
+    CUDA (the aten:: launchers, which hold no device time of their own, left out), CPU time on the CPU."""
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        spent = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        if spent <= 0 or (device == "cuda" and event.key.startswith("aten::")):
+            continue
+        group = group_of(event.key)
+        times[group] = times.get(group, 0.0) + spent / per
+    return times
+
+
 def copy_bandwidth(device: str) -> float:
     size = (2 << 30) if device == "cuda" else (256 << 20)
     x = torch.empty(size, dtype=torch.uint8, device=device)
@@ -115,13 +128,7 @@ def profile_batch(base: LLM, batch: int, args, bandwidth: float) -> tuple[dict, 
     with profile(activities=activities) as prof:
         engine.step()
         sync(device)
-    times: dict[str, float] = {}
-    for event in prof.key_averages():
-        spent = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
-        if spent <= 0 or (device == "cuda" and event.key.startswith("aten::")):
-            continue
-        group = group_of(event.key)
-        times[group] = times.get(group, 0.0) + spent / STEPS  # us per step
+    times = group_times(prof, device, STEPS)  # us per step
     for request_id in list(engine.core.requests):
         engine.abort_request(request_id)
     mc = engine.model_config

@@ -24,7 +24,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from decode_profile import copy_bandwidth, group_of, sync
+from decode_profile import copy_bandwidth, group_times, sync
 from lockstep_engine.attention import AttentionMetadata
 from lockstep_engine.llm import LLM
 
@@ -100,13 +100,7 @@ def profile_step(model, inputs: dict, device: str, repeats: int) -> tuple[dict[s
         for _ in range(repeats):
             run()
         sync(device)
-    times: dict[str, float] = {}
-    for event in prof.key_averages():
-        spent = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
-        if spent <= 0 or (device == "cuda" and event.key.startswith("aten::")):
-            continue
-        group = group_of(event.key)
-        times[group] = times.get(group, 0.0) + spent / repeats
+    times = group_times(prof, device, repeats)
     sort_key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     return times, prof.key_averages().table(sort_by=sort_key, row_limit=25, max_name_column_width=90)
 
