@@ -211,14 +211,15 @@ def small_engine(log_dir: Path):
 
 def test_streams_waiting_in_the_engines_own_queue_are_not_timed_out_as_an_unanswering_engine(small_engine,
                                                                                             start_gateway):
-    """300 streams at once to an engine of 4 seats, all sent on (a saturation depth above the burst): most
-    wait in the engine's queue far longer than the 2 s first-byte timeout while the engine streams to
-    the others. Before, the timeout ran while they waited: 504s."""
+    """300 streams of 48 tokens at once to an engine of 4 seats, all sent on (a saturation depth above the
+    burst): 75 rounds of 48 tokens, so most wait in the engine's queue far longer than the 2 s first-byte
+    timeout while the engine streams to the others, even on a fast machine. Before, the timeout ran while
+    they waited: 504s."""
     engine = small_engine("four-seat-engine", "--max-num-seqs", "4")
     gateway = start_gateway(f"--engine={engine.url}", "--saturation-queue-depth=1000", "--first-byte-timeout=2",
                             expect_healthy={engine.url})
     started = time.monotonic()
-    answers = asyncio.run(_burst(gateway.url, 300, 16))
+    answers = asyncio.run(_burst(gateway.url, 300, 48))
     took = time.monotonic() - started
     broken = [(a.status, a.body[-200:]) for a in answers if not a.complete_stream]
     assert not broken, broken[:5]
