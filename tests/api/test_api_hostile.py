@@ -112,7 +112,8 @@ def test_request_supplied_chat_templates_are_refused(smol8, fields, param):
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(smol8):
-    prompt = "lorem ipsum dolor sit amet " * (10_000_000 // 27)  # 10 MB of text
+    # 10 MB of text with no space to cut a prefix at, so the worker encodes all of it.
+    prompt = "lorem\nipsum\ndolor\nsit\namet\n" * (10_000_000 // 27)
     result = {}
 
     def send():
@@ -141,8 +142,19 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(smol8):
     assert latencies[-1] < 1.0, f"/health took {latencies[-1]:.2f} s while a prompt was tokenized"
 
 
+def test_a_text_far_past_the_context_is_refused_on_its_prefix(smol8):
+    prompt = "lorem ipsum dolor sit amet " * (15_000_000 // 27)  # 15 MB; it took 18-21 s to count whole
+    started = time.monotonic()
+    error = assert_400(post(smol8, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, timeout=300), "prompt")
+    took = time.monotonic() - started
+    assert f"a text of {len(prompt)} characters" in error["message"], error["message"]
+    assert "exceed max_model_len=1024" in error["message"], error["message"]
+    print(f"15 MB text refused in {took:.2f} s")
+
+
 def test_the_large_text_worker_encodes_as_the_tokenizer_does():
-    from lockstep_engine.api.large_text import LARGE_TEXT_CHARS, LargeTextEncoder
+    from lockstep_engine.api.large_text import (LARGE_TEXT_CHARS, PREFIX_CHARS_PER_TOKEN, PREFIX_MARGIN,
+                                                LargeTextEncoder)
     from lockstep_engine.sources import resolve
 
     tokenizer = resolve("smollm2").load_tokenizer()
@@ -151,7 +163,17 @@ def test_the_large_text_worker_encodes_as_the_tokenizer_does():
         text = "Ünïcode, code `x = 1`, numbers 12345 and\n\ttabs. " * (LARGE_TEXT_CHARS // 40)
         assert len(text) >= LARGE_TEXT_CHARS
         for add_special in (True, False):
-            assert encoder.encode(text, add_special).tolist() == tokenizer.encode(text, add_special_tokens=add_special)
+            whole, ids = encoder.encode(text, add_special)
+            assert whole and ids.tolist() == tokenizer.encode(text, add_special_tokens=add_special)
+        # Far past a context of 1024: judged on a prefix whose ids are the text's own first ids.
+        full = tokenizer.encode(text, add_special_tokens=True)
+        whole, prefix = encoder.encode(text, True, 1024)
+        assert not whole and 1024 + PREFIX_MARGIN <= len(prefix) < len(full), (len(prefix), len(full))
+        assert prefix.tolist() == full[: len(prefix)]
+        # A text that is long in characters but short in tokens (a run of one character) is encoded whole.
+        run = "a" * (1024 * PREFIX_CHARS_PER_TOKEN + 10) + " b"
+        whole, ids = encoder.encode(run, True, 1024)
+        assert whole and ids.tolist() == tokenizer.encode(run, add_special_tokens=True)
     finally:
         encoder.shutdown()
 
