@@ -50,6 +50,8 @@ from lockstep_operator.groups import (
     recorded_members,
     termination,
 )
+from lockstep_operator.names import group_name, leader_selector_string
+from lockstep_operator.pods import group_statefulset, revision
 from lockstep_operator.spec import ServiceSpec, SpecError, parse_spec
 
 
@@ -319,7 +321,7 @@ def _reconcile_group(
         policy = builders.group_policy(owner, spec, group.index)
         _apply_if_changed(plan, policy, ctx.policies.get(name_of(policy)))
     if group.statefulset is None:
-        plan.apply.append(builders.group_statefulset(owner, spec, group.index, ctx.config, group.surge))
+        plan.apply.append(group_statefulset(owner, spec, group.index, ctx.config, group.surge))
         group.state = "Creating"
         what = "an extra group of the rolling update" if group.surge else f"spec.replicas is {spec.replicas}"
         plan.events.append(("Normal", "GroupCreate", f"creating group {group.index} ({spec.pods_per_group} "
@@ -336,7 +338,7 @@ def _reconcile_group(
     if sts_revision != ctx.target:
         group.state = "Outdated"
         return
-    desired = builders.group_statefulset(owner, spec, group.index, ctx.config, group.surge)
+    desired = group_statefulset(owner, spec, group.index, ctx.config, group.surge)
     if _needs_apply(desired, group.statefulset) or group.statefulset["spec"]["replicas"] != spec.pods_per_group:
         plan.apply.append(desired)  # same revision: pods are not touched
     _record_members(plan, group, ctx)
@@ -351,7 +353,7 @@ def _roll_outdated(plan: Plan, groups: list[Group], ctx: _Context) -> None:
             if budget <= 0:
                 continue
             budget -= 1
-        plan.apply.append(builders.group_statefulset(ctx.owner, ctx.spec, group.index, ctx.config, group.surge))
+        plan.apply.append(group_statefulset(ctx.owner, ctx.spec, group.index, ctx.config, group.surge))
         _replace_pods(plan, group, {ANNOTATION_MEMBERS: ""})
         group.state = "Updating"
         group.problem = None
@@ -374,14 +376,14 @@ def _status(ctx: _Context, slots: list[Group], surges: list[Group], now: str) ->
         "replicas": len(ctx.statefulsets),
         "readyReplicas": sum(g.ready for g in groups),
         "updatedReplicas": sum(g.updated for g in groups),
-        "selector": builders.leader_selector_string(spec.name),
+        "selector": leader_selector_string(spec.name),
         "podsPerGroup": spec.pods_per_group,
         "steps": spec.steps,
         "conditions": merge_conditions(conditions, old.get("conditions", []), now),
         "groups": [
             {
                 "index": g.index,
-                "leader": f"{builders.group_name(spec.name, g.index)}-0",
+                "leader": f"{group_name(spec.name, g.index)}-0",
                 "state": g.state,
                 "ready": g.ready,
                 "readyPods": sum(is_pod_ready(p) for p in g.pods),
@@ -406,7 +408,7 @@ def plan_reconcile(owner: Mapping[str, Any], observed: Observed, config: Operato
         owner=owner,
         spec=spec,
         config=config,
-        target=builders.revision(spec, meta["namespace"], config),
+        target=revision(spec, meta["namespace"], config),
         services={name_of(s): s for s in observed.services},
         policies={name_of(p): p for p in observed.networkpolicies},
         statefulsets={i: objs[0] for i, objs in _by_group(observed.statefulsets).items()},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -10,7 +11,7 @@ import yaml
 
 from k8s_harness import CHART
 
-from lockstep_operator import builders
+from lockstep_operator import builders, names, pods
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import LABEL_POD_INDEX, LABEL_REVISION
 from lockstep_operator.spec import parse_spec
@@ -36,7 +37,7 @@ def env_of(sts):
 
 def test_statefulset_has_one_pod_per_rank_slot_started_together():
     spec = spec_of(parallelism={"tensor": 4, "pipeline": 2, "gpusPerPod": 2})
-    sts = builders.group_statefulset(OWNER, spec, 1, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec, 1, CONFIG)
     assert sts["metadata"]["name"] == "llama-g1"
     assert sts["spec"]["replicas"] == 4
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
@@ -47,7 +48,7 @@ def test_statefulset_has_one_pod_per_rank_slot_started_together():
 
 def test_engine_pod_contract_env():
     spec = spec_of(parallelism={"tensor": 4, "pipeline": 2, "gpusPerPod": 2})
-    env = env_of(builders.group_statefulset(OWNER, spec, 1, CONFIG))
+    env = env_of(pods.group_statefulset(OWNER, spec, 1, CONFIG))
     assert env["LOCKSTEP_WORLD_SIZE"] == "8"
     assert env["LOCKSTEP_RANKS_PER_POD"] == "2"
     assert env["LOCKSTEP_GROUP"] == "1"
@@ -61,7 +62,7 @@ def test_engine_args_carry_steps_and_parallelism():
         parallelism={"tensor": 2, "pipeline": 2, "gpusPerPod": 1},
         engine={"maxNumSeqs": 128, "maxModelLen": 4096, "extraArgs": ["--dtype", "bfloat16"]},
     )
-    args = container(builders.group_statefulset(OWNER, spec, 0, CONFIG))["args"]
+    args = container(pods.group_statefulset(OWNER, spec, 0, CONFIG))["args"]
     assert args == [
         "random:llama-3-8b", "--port", "8000", "--served-model-name", "llama",
         "--num-scheduler-steps", "16", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
@@ -70,12 +71,12 @@ def test_engine_args_carry_steps_and_parallelism():
 
 
 def test_adaptive_decode_passes_auto():
-    args = builders.engine_args(spec_of(decode={"adaptive": True}))
+    args = pods.engine_args(spec_of(decode={"adaptive": True}))
     assert args[args.index("--num-scheduler-steps") + 1] == "auto"
 
 
 def test_probes_are_sized_from_the_startup_budget_and_go_through_the_launcher():
-    sts = builders.group_statefulset(OWNER, spec_of(startup={"timeoutSeconds": 905}), 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec_of(startup={"timeoutSeconds": 905}), 0, CONFIG)
     engine = container(sts)
     assert engine["startupProbe"]["failureThreshold"] * engine["startupProbe"]["periodSeconds"] >= 905
     assert engine["startupProbe"]["failureThreshold"] == 91
@@ -84,7 +85,7 @@ def test_probes_are_sized_from_the_startup_budget_and_go_through_the_launcher():
 
 
 def test_dev_shm_is_a_memory_volume_sized_per_rank():
-    sts = builders.group_statefulset(OWNER, spec_of(parallelism={"tensor": 4, "gpusPerPod": 4}), 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec_of(parallelism={"tensor": 4, "gpusPerPod": 4}), 0, CONFIG)
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container(sts)["volumeMounts"]
@@ -92,17 +93,17 @@ def test_dev_shm_is_a_memory_volume_sized_per_rank():
 
 def test_gpus_per_pod_becomes_a_gpu_limit_unless_set():
     assert container(
-        builders.group_statefulset(OWNER, spec_of(parallelism={"tensor": 2, "gpusPerPod": 2}), 0, CONFIG)
+        pods.group_statefulset(OWNER, spec_of(parallelism={"tensor": 2, "gpusPerPod": 2}), 0, CONFIG)
     )["resources"] == {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"nvidia.com/gpu": 2}}
     cpu = spec_of(parallelism={"gpusPerPod": 0}, engine={"resources": {"requests": {"cpu": "2"}}})
-    assert container(builders.group_statefulset(OWNER, cpu, 0, CONFIG))["resources"] == {
+    assert container(pods.group_statefulset(OWNER, cpu, 0, CONFIG))["resources"] == {
         "requests": {"cpu": "2"}
     }
 
 
 def test_pvc_model_is_mounted_read_only_and_passed_as_a_path():
     spec = spec_of(model={"source": "pvc://weights/llama/8b"})
-    sts = builders.group_statefulset(OWNER, spec, 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec, 0, CONFIG)
     assert container(sts)["args"][0] == "/models/weights/llama/8b"
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
@@ -110,7 +111,7 @@ def test_pvc_model_is_mounted_read_only_and_passed_as_a_path():
 
 def test_user_labels_reach_pods_but_never_selectors():
     spec = spec_of(template={"labels": {"team": "search"}, "nodeSelector": {"gpu": "h200"}})
-    sts = builders.group_statefulset(OWNER, spec, 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec, 0, CONFIG)
     assert sts["spec"]["template"]["metadata"]["labels"]["team"] == "search"
     assert "team" not in sts["spec"]["selector"]["matchLabels"]
     assert sts["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h200"}
@@ -123,7 +124,7 @@ def test_every_child_is_controlled_by_the_llmservice():
         builders.group_secret(OWNER, spec),
         builders.group_service(OWNER, spec, 0),
         builders.group_policy(OWNER, spec, 0),
-        builders.group_statefulset(OWNER, spec, 0, CONFIG),
+        pods.group_statefulset(OWNER, spec, 0, CONFIG),
     ]
     for obj in objects:
         (ref,) = obj["metadata"]["ownerReferences"]
@@ -147,20 +148,20 @@ def test_leader_service_selects_pod_zero_of_every_group():
     svc = builders.leader_service(OWNER, spec_of())
     assert svc["spec"]["selector"] == {"serving.lockstep.dev/service": "llama", LABEL_POD_INDEX: "0"}
     assert (
-        builders.leader_selector_string("llama")
+        names.leader_selector_string("llama")
         == "apps.kubernetes.io/pod-index=0,serving.lockstep.dev/service=llama"
     )
 
 
 def test_revision_ignores_replicas_and_follows_everything_else():
-    base = builders.revision(spec_of(replicas=1), "prod", CONFIG)
-    assert builders.revision(spec_of(replicas=5), "prod", CONFIG) == base
-    assert builders.revision(spec_of(decode={"numSchedulerSteps": 4}), "prod", CONFIG) != base
+    base = pods.revision(spec_of(replicas=1), "prod", CONFIG)
+    assert pods.revision(spec_of(replicas=5), "prod", CONFIG) == base
+    assert pods.revision(spec_of(decode={"numSchedulerSteps": 4}), "prod", CONFIG) != base
     assert (
-        builders.revision(spec_of(engine={"image": "registry.example/lockstep:9.9.10"}), "prod", CONFIG)
+        pods.revision(spec_of(engine={"image": "registry.example/lockstep:9.9.10"}), "prod", CONFIG)
         != base
     )
-    sts = builders.group_statefulset(OWNER, spec_of(), 3, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec_of(), 3, CONFIG)
     assert sts["spec"]["template"]["metadata"]["labels"][LABEL_REVISION] == base
 
 
@@ -187,8 +188,8 @@ def test_built_objects_validate_against_the_kubernetes_schemas(index):
         builders.group_secret(OWNER, spec),
         builders.group_service(OWNER, spec, index),
         builders.group_policy(OWNER, spec, index),
-        builders.group_statefulset(OWNER, spec, index, CONFIG),
-        builders.group_statefulset(OWNER, fetched, index, CONFIG),
+        pods.group_statefulset(OWNER, spec, index, CONFIG),
+        pods.group_statefulset(OWNER, fetched, index, CONFIG),
     ]
     for obj in objects:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -218,7 +219,7 @@ def pod_spec(sts):
     ids=["cpu", "tp4-pp2-gpu", "pvc", "hf-fetch", "url-fetch"],
 )
 def test_engine_pods_pass_the_restricted_pod_security_standard(fields):
-    sts = builders.group_statefulset(OWNER, spec_of(**fields), 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec_of(**fields), 0, CONFIG)
     pod = pod_spec(sts)
     assert violations(pod) == []
     for item in [*pod.get("initContainers", []), *pod["containers"]]:
@@ -242,7 +243,7 @@ def test_the_pss_check_catches_what_the_standard_forbids():
 
 
 def test_every_cache_and_home_is_in_a_writable_volume():
-    sts = builders.group_statefulset(OWNER, spec_of(), 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec_of(), 0, CONFIG)
     env = env_of(sts)
     mounts = {m["mountPath"]: m for m in container(sts)["volumeMounts"]}
     for name in ("HOME", "XDG_CACHE_HOME", "LOCKSTEP_CACHE", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
@@ -256,7 +257,7 @@ def test_every_cache_and_home_is_in_a_writable_volume():
 
 def test_every_pod_gets_the_group_secret_as_a_file():
     spec = spec_of(parallelism={"tensor": 2, "gpusPerPod": 1})
-    sts = builders.group_statefulset(OWNER, spec, 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec, 0, CONFIG)
     assert env_of(sts)["LOCKSTEP_GROUP_SECRET_FILE"] == "/var/run/lockstep/group/secret"
     volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
     assert volumes["group-secret"]["secret"]["secretName"] == "llama-group-secret"
@@ -271,9 +272,9 @@ def test_every_pod_gets_the_group_secret_as_a_file():
 
 
 def test_an_api_key_secret_reaches_the_engine_as_its_api_key():
-    sts = builders.group_statefulset(OWNER, spec_of(engine={"apiKeySecret": {"name": "engine-key"}}), 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec_of(engine={"apiKeySecret": {"name": "engine-key"}}), 0, CONFIG)
     assert env_of(sts)["LOCKSTEP_API_KEY"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
-    assert "LOCKSTEP_API_KEY" not in env_of(builders.group_statefulset(OWNER, spec_of(), 0, CONFIG))
+    assert "LOCKSTEP_API_KEY" not in env_of(pods.group_statefulset(OWNER, spec_of(), 0, CONFIG))
 
 
 def test_the_http_policy_admits_engine_clients_and_monitoring_only():
@@ -311,7 +312,7 @@ def test_tp4_pp2_with_four_gpus_per_pod_is_two_pods_of_four_ranks():
         template={"runtimeClassName": "nvidia"},
         model={"source": "pvc://weights/llama-3-70b"},
     )
-    sts = builders.group_statefulset(OWNER, spec, 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec, 0, CONFIG)
     engine = container(sts)
     env = env_of(sts)
     assert sts["spec"]["replicas"] == 2
@@ -329,7 +330,7 @@ def test_tp4_pp2_with_four_gpus_per_pod_is_two_pods_of_four_ranks():
 
 def test_cpu_ranks_per_pod_put_a_tp2_group_in_one_pod():
     spec = spec_of(parallelism={"tensor": 2, "gpusPerPod": 0, "ranksPerPod": 2})
-    sts = builders.group_statefulset(OWNER, spec, 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec, 0, CONFIG)
     assert sts["spec"]["replicas"] == 1
     assert env_of(sts)["LOCKSTEP_RANKS_PER_POD"] == "2"
     assert "nvidia.com/gpu" not in container(sts)["resources"].get("limits", {})
@@ -345,7 +346,7 @@ def test_cpu_ranks_per_pod_put_a_tp2_group_in_one_pod():
 )
 def test_fetched_models_come_from_an_init_container_into_the_models_volume(source, model_arg):
     spec = spec_of(model={"source": source, "endpoint": "https://mirror.example", "tokenSecret": {"name": "hf"}})
-    sts = builders.group_statefulset(OWNER, spec, 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec, 0, CONFIG)
     (init,) = pod_spec(sts)["initContainers"]
     init_env = {e["name"]: e.get("value") for e in init["env"]}
     directory = init_env["LOCKSTEP_MODEL_DIR"]
@@ -362,14 +363,14 @@ def test_fetched_models_come_from_an_init_container_into_the_models_volume(sourc
 
 def test_a_cache_claim_keeps_fetched_models_across_restarts():
     spec = spec_of(model={"source": "hf://org/m", "cache": {"claimName": "model-cache"}})
-    volumes = {v["name"]: v for v in pod_spec(builders.group_statefulset(OWNER, spec, 0, CONFIG))["volumes"]}
+    volumes = {v["name"]: v for v in pod_spec(pods.group_statefulset(OWNER, spec, 0, CONFIG))["volumes"]}
     assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "model-cache"}
 
 
 def test_the_gpu_example_is_two_pods_of_four_gpus():
     example = yaml.safe_load((CHART / "examples" / "llmservice-gpu.yaml").read_text())
     spec = parse_spec(example["metadata"]["name"], example["spec"], default_image=CONFIG.engine_image)
-    sts = builders.group_statefulset({**OWNER, "metadata": {**OWNER["metadata"], "name": "llama-70b"}}, spec, 0, CONFIG)
+    sts = pods.group_statefulset({**OWNER, "metadata": {**OWNER["metadata"], "name": "llama-70b"}}, spec, 0, CONFIG)
     assert (sts["spec"]["replicas"], env_of(sts)["LOCKSTEP_RANKS_PER_POD"]) == (2, "4")
     assert container(sts)["resources"]["limits"] == {"memory": "200Gi", "nvidia.com/gpu": 4}
     assert violations(pod_spec(sts)) == []
@@ -377,23 +378,23 @@ def test_the_gpu_example_is_two_pods_of_four_gpus():
 
 
 def test_user_env_overrides_a_cache_variable_without_a_duplicate():
-    sts = builders.group_statefulset(OWNER, spec_of(engine={"env": [{"name": "HF_HOME", "value": "/cache"}]}), 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec_of(engine={"env": [{"name": "HF_HOME", "value": "/cache"}]}), 0, CONFIG)
     names = [e["name"] for e in container(sts)["env"]]
     assert names.count("HF_HOME") == 1
     assert env_of(sts)["HF_HOME"] == "/cache"
 
 
 def test_engine_pods_without_resources_get_default_requests_and_no_limits():
-    engine = container(builders.group_statefulset(OWNER, spec_of(parallelism={"gpusPerPod": 0}), 0, CONFIG))
+    engine = container(pods.group_statefulset(OWNER, spec_of(parallelism={"gpusPerPod": 0}), 0, CONFIG))
     assert engine["resources"] == {"requests": {"cpu": "1", "memory": "4Gi"}}
 
 
 def test_the_termination_grace_period_is_the_pods_and_the_engine_drains_within_it():
-    sts = builders.group_statefulset(OWNER, spec_of(engine={"terminationGracePeriodSeconds": 600}), 0, CONFIG)
+    sts = pods.group_statefulset(OWNER, spec_of(engine={"terminationGracePeriodSeconds": 600}), 0, CONFIG)
     assert pod_spec(sts)["terminationGracePeriodSeconds"] == 600
     args = container(sts)["args"]
     assert args[args.index("--shutdown-grace-period") + 1] == "590"
-    assert pod_spec(builders.group_statefulset(OWNER, spec_of(), 0, CONFIG))["terminationGracePeriodSeconds"] == 60
+    assert pod_spec(pods.group_statefulset(OWNER, spec_of(), 0, CONFIG))["terminationGracePeriodSeconds"] == 60
 
 
 def test_one_disruption_budget_covers_every_engine_pod_of_the_service():
@@ -406,3 +407,22 @@ def test_one_disruption_budget_covers_every_engine_pod_of_the_service():
     assert budget["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
     off = spec_of(disruptionBudget={"enabled": False})
     assert "PodDisruptionBudget" not in [o["kind"] for o in builders.service_objects(OWNER, off, CONFIG)]
+
+
+def test_the_configmap_carries_the_in_pod_programs_as_they_are_in_the_package():
+    """The pods run /etc/lockstep/launch.py and fetch.py from the ConfigMap: the text of the modules
+    in lockstep_operator/inpod/, byte for byte, whatever engine image the pods use."""
+    inpod = Path(builders.__file__).parent / "inpod"
+    configmap = builders.engine_configmap(OWNER, spec_of())
+    assert configmap["metadata"]["name"] == "llama-engine"
+    assert configmap["data"]["launch.py"] == (inpod / "launch.py").read_text(encoding="utf-8")
+    assert configmap["data"]["fetch.py"] == (inpod / "fetch.py").read_text(encoding="utf-8")
+    sts = pods.group_statefulset(OWNER, spec_of(), 0, CONFIG)
+    assert {"name": "launcher", "configMap": {"name": "llama-engine", "defaultMode": 0o444}} in pod_spec(sts)["volumes"]
+
+
+def test_a_change_to_an_in_pod_program_changes_the_group_revision(monkeypatch):
+    spec = spec_of()
+    before = pods.revision(spec, "prod", CONFIG)
+    monkeypatch.setattr(pods, "LAUNCHER", pods.LAUNCHER + "\n# changed\n")
+    assert pods.revision(spec, "prod", CONFIG) != before

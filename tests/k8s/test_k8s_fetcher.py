@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep_operator.fetcher import FETCHER
+from lockstep_operator.inpod import FETCHER
 
 REPO = "HuggingFaceTB/Tiny"
 FILES = {

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from k8s_harness import free_port, wait_for
-from lockstep_operator.launcher import LAUNCHER
+from lockstep_operator.inpod import LAUNCHER
 
 # Records (command, rank, local rank, leader) as one JSON line, waits (at most 20 s) until the
 # pod's LOCKSTEP_RANKS_PER_POD ranks have all recorded, then behaves as LOCKSTEP_FAKE says:

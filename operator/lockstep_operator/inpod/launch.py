@@ -1,10 +1,4 @@
-"""The engine pod launcher, mounted from the LLMService's ConfigMap at /etc/lockstep/launch.py.
-
-Kept as a Python string so it ships inside the package without package-data configuration; it runs
-with the engine image's python3 and needs nothing beyond the standard library.
-"""
-
-LAUNCHER = r'''"""Engine pod launcher, mounted from the LLMService's ConfigMap by the Lockstep operator.
+"""Engine pod launcher, mounted from the LLMService's ConfigMap by the Lockstep operator.
 
   launch.py ARGS...   starts this pod's ranks of the engine group: ranks
                       LOCKSTEP_POD_INDEX x LOCKSTEP_RANKS_PER_POD + 0 .. LOCKSTEP_RANKS_PER_POD - 1.
@@ -141,4 +135,3 @@ def main(argv):
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-'''

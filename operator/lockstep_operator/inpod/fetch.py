@@ -1,10 +1,4 @@
-"""The model fetcher, run by the `fetch-model` init container from the LLMService's ConfigMap.
-
-Kept as a Python string so it ships inside the package without package-data configuration; it runs
-with the engine image's python3 and needs nothing beyond the standard library.
-"""
-
-FETCHER = r'''"""Fetch the model of an LLMService into a volume before the engine starts (init container).
+"""Fetch the model of an LLMService into a volume before the engine starts (init container).
 
 Environment (set by the Lockstep operator):
   LOCKSTEP_MODEL_SOURCE      hf://<org>/<repo>[@<revision>], or an http(s):// URL of one file
@@ -52,11 +46,11 @@ def open_with_retries(url, token):
             return urllib.request.urlopen(request(url, token), timeout=TIMEOUT_S)
         except urllib.error.HTTPError as error:
             if error.code < 500 or attempt == ATTEMPTS:
-                raise SystemExit(f"fetch.py: GET {url}: HTTP {error.code} {error.reason}")
+                raise SystemExit(f"fetch.py: GET {url}: HTTP {error.code} {error.reason}") from None
             log(f"GET {url}: HTTP {error.code}; retrying ({attempt}/{ATTEMPTS})")
         except (urllib.error.URLError, socket.timeout, ConnectionError) as error:
             if attempt == ATTEMPTS:
-                raise SystemExit(f"fetch.py: GET {url}: {error}")
+                raise SystemExit(f"fetch.py: GET {url}: {error}") from None
             log(f"GET {url}: {error}; retrying ({attempt}/{ATTEMPTS})")
         time.sleep(2 ** attempt)
     raise AssertionError("unreachable")
@@ -136,4 +130,3 @@ def main():
 
 if __name__ == "__main__":
     sys.exit(main())
-'''
