@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from h200_served import Server, scrape  # noqa: E402
 
-from lockstep.bench.serve import send_request  # noqa: E402
+from lockstep.bench.serve_client import send_request  # noqa: E402
 from lockstep.bench.workload import poisson_arrivals, sharegpt_synth  # noqa: E402
 
 OUT = os.environ.get("OUT", ".bench")

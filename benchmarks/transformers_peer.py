@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.bench.serve import summarize_ms
+from lockstep.bench.serve_report import summarize_ms
 from lockstep.bench.workload import make_workload
 from lockstep_engine.sources import ModelSource, resolve
 

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import httpx
 
 from lockstep.bench.gateway import free_port, stop
-from lockstep.bench.serve import percentile, send_request
+from lockstep.bench.serve_client import send_request
+from lockstep.bench.serve_report import percentile
 from lockstep.bench.workload import sample_lengths
 
 POLICIES = ("least-load", "prefix-aware")

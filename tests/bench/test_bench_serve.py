@@ -15,8 +15,10 @@ from collections import Counter
 
 import pytest
 
-from lockstep.bench import serve
-from lockstep.bench.serve import RequestResult, calculate_metrics, completion_payload, percentile, run_benchmark
+from lockstep.bench import serve, serve_processes
+from lockstep.bench.serve import run_benchmark
+from lockstep.bench.serve_client import BenchmarkError, RequestResult, completion_payload
+from lockstep.bench.serve_report import calculate_metrics, percentile
 from lockstep.bench.workload import WorkloadRequest, poisson_arrivals, sharegpt_synth
 
 VLLM_KEYS = {
@@ -178,7 +180,7 @@ def unused_port() -> int:
 
 def test_an_unreachable_server_is_named_in_the_error():
     url = f"http://127.0.0.1:{unused_port()}"
-    with pytest.raises(serve.BenchmarkError, match=f"cannot reach server at {url}/v1/models"):
+    with pytest.raises(BenchmarkError, match=f"cannot reach server at {url}/v1/models"):
         bench(url, make_requests([3]))
 
 
@@ -272,15 +274,15 @@ def test_client_processes_split_max_concurrency(fake_server):
 
 
 def test_concurrency_shares_are_ceil_and_floor():
-    assert serve.concurrency_shares(7, 3) == [3, 2, 2]
-    assert serve.concurrency_shares(4, 4) == [1, 1, 1, 1]
-    assert serve.concurrency_shares(None, 2) == [None, None]
+    assert serve_processes.concurrency_shares(7, 3) == [3, 2, 2]
+    assert serve_processes.concurrency_shares(4, 4) == [1, 1, 1, 1]
+    assert serve_processes.concurrency_shares(None, 2) == [None, None]
 
 
 def test_max_overlap_counts_intervals_open_at_once():
-    assert serve.max_overlap([(0, 2), (1, 3), (2, 4)]) == 2
-    assert serve.max_overlap([(0, 1), (1, 2)]) == 1
-    assert serve.max_overlap([]) == 0
+    assert serve_processes.max_overlap([(0, 2), (1, 3), (2, 4)]) == 2
+    assert serve_processes.max_overlap([(0, 1), (1, 2)]) == 1
+    assert serve_processes.max_overlap([]) == 0
 
 
 def test_cli_rejects_a_bad_number_of_client_processes(capsys):
@@ -360,7 +362,7 @@ def test_a_client_process_that_dies_fails_the_run_naming_it(fake_server):
     killer.start()
     requests = make_requests([3] * 4, first_token=server.STALL_TOKEN)
     named = r"client process \d of 2 \(pid \d+\) was killed by signal SIGKILL"
-    with pytest.raises(serve.BenchmarkError, match=named) as info:
+    with pytest.raises(BenchmarkError, match=named) as info:
         bench(server.url, requests, timeout_s=30, num_client_processes=2)
     killer.join(timeout=5)
     assert killed and f"(pid {killed[0]})" in str(info.value)
@@ -372,9 +374,9 @@ def test_a_client_process_that_raises_sends_its_error():
 
     parent, child = multiprocessing.Pipe()
     # offsets and requests of different lengths: sending them raises inside the process body
-    plan = serve.ClientPlan(url="http://127.0.0.1:1/v1/completions", headers={}, model="m", timeout_s=1.0,
+    plan = serve_processes.ClientPlan(url="http://127.0.0.1:1/v1/completions", headers={}, model="m", timeout_s=1.0,
                             indices=[0], requests=make_requests([3]), offsets=[])  # fmt: skip
-    body = threading.Thread(target=lambda: pytest.raises(SystemExit, serve.client_process_main, child, plan))
+    body = threading.Thread(target=lambda: pytest.raises(SystemExit, serve_processes.client_process_main, child, plan))
     body.start()
     assert parent.poll(30) and parent.recv() == ("ready",)
     parent.send(("start", 0.0))
