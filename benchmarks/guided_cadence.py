@@ -1,4 +1,4 @@
-"""A 100,000-choice `guided_choice` beside a running stream (issue 24): what the stream waits meanwhile.
+"""A 100,000-choice `guided_choice` beside a running stream: what the stream waits meanwhile.
 
 One `lockstep serve` at N=1 (a chunk per token). Per run: a stream of 120 tokens (`ignore_eos`); at
 its fifth chunk a completion with 100,000 choices (`option number N`, a new list every run unless

@@ -1,4 +1,4 @@
-"""The served headline of issue 18 on one H200, in one device call of under nine minutes.
+"""The served headline (requests/s at rate inf) on one H200, in one device call of under nine minutes.
 
 `lockstep bench serve` (sharegpt-synth seed 0, token-id prompts, ignore_eos, streamed) against
 `lockstep serve random:llama-3-8b --dtype bfloat16` with default flags, then with

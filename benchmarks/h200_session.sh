@@ -100,7 +100,7 @@ sweep)
     ;;
 poisson)
     # Poisson arrivals per server setting (one server each, reused across RATES; ARRIVAL_S seconds of
-    # arrivals per rate), no rate-inf run and no tests: issue 18's latency-against-rate sweep.
+    # arrivals per rate), no rate-inf run and no tests: the latency-against-rate sweep.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PYTHONPATH

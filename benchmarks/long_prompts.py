@@ -1,4 +1,4 @@
-"""Long prompts among streams (issue 23): what a decoding stream waits while long prompts prefill.
+"""Long prompts among streams: what a decoding stream waits while long prompts prefill.
 
 Per server setting, one `lockstep serve` and one run: sharegpt-synth streams arriving as a Poisson
 process (`--rate`, 10 req/s) for `--duration` seconds, and among them `--long-len`-token prompts

@@ -1,4 +1,4 @@
-"""/health latency while N streams are open against a running `lockstep serve` (issue 15: within 100 ms
+"""/health latency while N streams are open against a running `lockstep serve` (the goal: within 100 ms
 at 3000 streams).
 
     .venv/bin/python scripts/health_under_streams.py --url http://127.0.0.1:8000 --streams 3000

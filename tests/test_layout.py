@@ -1,8 +1,11 @@
 """The repository's layering and naming rules (docs/ARCHITECTURE.md)."""
 
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,18 +49,40 @@ def test_no_product_module_exceeds_500_lines():
     assert not too_long, f"product modules over 500 lines (split them): {too_long}"
 
 
-def test_no_file_refers_to_documents_outside_the_repository():
+# A tracker's numbers mean nothing to a reader of the tree: "issue N", "issues #N", "#N issue", "PR #N",
+# "pull request N", "(#N)", "GH-N" with N a number. The tree states the fact itself.
+TRACKER_REFERENCE = re.compile(
+    r"(?<![a-z])issues? ?#?[0-9]+|#[0-9]+ issue|\bPR ?#[0-9]+|\bpull request #?[0-9]+|\(#[0-9]+\)|\bGH-[0-9]+", re.IGNORECASE
+)
+
+
+def test_no_file_refers_to_documents_outside_the_repository_or_to_tracker_issues():
     outside = ("DESIGN" + ".md", "../" + "shared")
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60).stdout.split(b"\0")
     found = []
     for name in filter(None, files):
         path = os.path.join(ROOT, name.decode())
+        found += [f"file name {name.decode()}: {m}" for m in TRACKER_REFERENCE.findall(name.decode())]
         if not os.path.isfile(path) or name.endswith((b".png", b".gguf")):
             continue
         with open(path, "rb") as handle:
             text = handle.read().decode("utf-8", "replace")
         found += [f"{name.decode()}: {word}" for word in outside if word in text]
+        found += [f"{name.decode()}: {m!r}" for m in TRACKER_REFERENCE.findall(text)]
     assert not found, found
+
+
+# Spelled with N for the number, so that this file passes the test above.
+@pytest.mark.parametrize(
+    "text", ["see issue N", "Issue #N's fix", "issues N and 5", "the #N issue", "PR #N", "(#N)", "gh-N", "h200_issueN.sh"]
+)
+def test_the_tracker_pattern_catches_the_usual_spellings(text):
+    assert TRACKER_REFERENCE.search(text.replace("N", "23"))
+
+
+@pytest.mark.parametrize("text", ["# 30 tokens", "an issue with 3 causes", "p99", "color #fff", "tissue 3"])
+def test_the_tracker_pattern_leaves_ordinary_text_alone(text):
+    assert not TRACKER_REFERENCE.search(text)
 
 
 def test_gateway_reports_the_version_of_the_lockstep_package():

@@ -2,7 +2,7 @@
 
 Triton compiles a kernel per specialisation on first use and a decode graph is captured the first
 time its batch bucket and sampling kind come up; a fresh server paid for both inside its first
-requests (issue 18: 31.6 req/s on the first run against 41.2 warm, TTFT p50 15.1 s). `warm_up` runs
+requests (31.6 req/s on the first served run on an H200 against 41.2 warm, TTFT p50 15.1 s). `warm_up` runs
 synthetic requests through an `EngineCore` over the serving executor before the core reports ready,
 so the code paths are the serving ones (scheduler, window dispatch, graph capture, eager steps) and
 every rank of a TP/PP group runs the same windows. It covers:

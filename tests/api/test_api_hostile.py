@@ -1,4 +1,4 @@
-"""Hostile input and dead cores (issue 15): every bad request is a 4xx naming the field and the engine
+"""Hostile input and dead cores: every bad request is a 4xx naming the field and the engine
 serves the next request; a dead or frozen core makes `lockstep serve` exit non-zero within seconds;
 bounds (queue, header and body read time) and secrets (key files, query-string keys) hold."""
 

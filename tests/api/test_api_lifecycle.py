@@ -74,7 +74,7 @@ def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_0(own_server
 
 
 def test_a_dead_core_fails_requests_in_flight_and_the_server_exits_1(own_servers):
-    """Issue 15, fatal means exit: the stream in flight ends with a 503 error event, then the server
+    """Fatal means exit: the stream in flight ends with a 503 error event, then the server
     exits non-zero so that its supervisor restarts it."""
     server = own_servers[1]
     results = [None]

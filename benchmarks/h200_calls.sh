@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 23's GPU calls on one H200 (kind nvidia-h200), each under ten minutes:
+# The decode-profile, long-prompt and served-rate-inf calls on one H200 (kind nvidia-h200), each under ten minutes:
 #
-#   bash benchmarks/h200_issue23.sh profile   # benchmarks/decode_profile.py (a decode step per kernel group
+#   bash benchmarks/h200_calls.sh profile   # benchmarks/decode_profile.py (a decode step per kernel group
 #                                             #   against its byte bound, batch 64/128/256), then the GPU test
 #                                             #   files (tests/kernels, test_decode_graphs, test_step_timer,
 #                                             #   test_arrival_cuts)
-#   bash benchmarks/h200_issue23.sh long      # carrying .whl (benchmarks/fetch_gpu_wheels.sh): long prompts
+#   bash benchmarks/h200_calls.sh long      # carrying .whl (benchmarks/fetch_gpu_wheels.sh): long prompts
 #                                             #   among streams per --long-prefill-token-threshold (CAPS, default
 #                                             #   "0 1024 1536 2048"; LONG_S seconds of arrivals, default 35)
-#   bash benchmarks/h200_issue23.sh served    # carrying .whl: served rate inf, default flags,
+#   bash benchmarks/h200_calls.sh served    # carrying .whl: served rate inf, default flags,
 #                                             #   random:smollm2-135m and random:llama-3-8b (1000 requests each)
 #
 # Tables go to stdout; JSON and logs to $OUT (at most 8 files come back from the device tool).
