@@ -241,7 +241,7 @@ def test_preemptions_and_waiting_on_a_small_kv_cache(small_cache_server):
 
 
 def test_engine_core_loss_fails_requests_in_flight_and_exits(small_cache_server):
-    """Issue 15, fatal means exit: a request in flight when the core dies ends with an error event for
+    """Fatal means exit: a request in flight when the core dies ends with an error event for
     its client, and the server exits non-zero (no window to scrape the error counter is promised)."""
     server = small_cache_server
     SCRAPES.append(server.scrape())  # the last scrape of this server, for the sweep at the end
