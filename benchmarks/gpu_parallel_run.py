@@ -52,7 +52,7 @@ def run_one(args) -> int:
     from gpu_run import prefill_warm_up, run_workload
 
     from lockstep.bench.workload import make_workload
-    from lockstep_engine.entrypoints.bench_offline import greedy_requests
+    from lockstep.bench.offline import greedy_requests
     from lockstep_engine.llm import LLM
     from lockstep_engine.sampling_params import SamplingParams
 

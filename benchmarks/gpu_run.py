@@ -19,7 +19,7 @@ import torch
 
 from lockstep.bench.workload import make_workload
 from lockstep_engine.config import SCHEDULING_POLICIES, num_scheduler_steps_arg
-from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
+from lockstep.bench.offline import greedy_requests, run_offline
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 

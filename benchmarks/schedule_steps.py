@@ -18,7 +18,7 @@ import sys
 
 from lockstep.bench.workload import make_workload
 from lockstep_engine.config import num_scheduler_steps_arg
-from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
+from lockstep.bench.offline import greedy_requests, run_offline
 from lockstep_engine.llm import LLM
 
 KEYS = ("n", "mbt", "seqs", "policy")

@@ -4,7 +4,9 @@
 gateway and operator images, which have no torch, can import this package.
 """
 
-__version__ = "0.1.0"
+from lockstep_common.version import distribution_version
+
+__version__ = distribution_version()
 
 _LAZY = {"LLM": "lockstep_engine.llm", "SamplingParams": "lockstep_engine.sampling_params"}
 

@@ -21,7 +21,7 @@ _COMMANDS = {
 }
 # `lockstep bench <kind>`
 _BENCH = {
-    "throughput": ("lockstep_engine.entrypoints.bench_throughput", "main"),
+    "throughput": ("lockstep.bench.throughput", "main"),
     "serve": ("lockstep.bench.serve", "main"),
     "gateway": ("lockstep.bench.gateway", "main"),
     "health": ("lockstep.bench.health_flood", "main"),

@@ -1,4 +1,4 @@
-"""The engine-core process: an `Executor` + `EngineCore` loop, driven by `lockstep.protocol` messages.
+"""The engine-core process: an `Executor` + `EngineCore` loop, driven by `lockstep_engine.protocol` messages.
 
 Three threads, so the loop never waits on I/O: a reader turns the request pipe into an inbox queue,
 the loop drains it between steps (aborts and stop strings) and between windows (new requests), and
@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import asdict
 
-from lockstep import protocol as p
+from lockstep_engine import protocol as p
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.engine_core import EngineCore
 from lockstep_engine.group.executor import load_engine

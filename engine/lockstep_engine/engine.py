@@ -6,7 +6,7 @@ import itertools
 import random
 import time
 
-from lockstep.protocol import SequenceOutput, StepOutputs
+from lockstep_engine.protocol import SequenceOutput, StepOutputs
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.engine_core import EngineCore
 from lockstep_engine.group.executor import load_engine

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
-from lockstep.protocol import RequestFailed, SequenceOutput, StepOutputs, TokenBatch, TokenLogprobs
+from lockstep_engine.protocol import RequestFailed, SequenceOutput, StepOutputs, TokenBatch, TokenLogprobs
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.group.executor import Executor

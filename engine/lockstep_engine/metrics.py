@@ -5,7 +5,7 @@ Two halves, one per process of `lockstep serve`:
   (`EngineCore.take_stats()`: the counters, and the per-step samples since the previous snapshot)
   and the window's `WindowTimings` into cumulative histogram buckets and counters (plain Python: a
   bisect and an add per observation, nothing on the device), and `snapshot()` packs them into a
-  `lockstep.protocol.CoreMetrics` message. Snapshots are cumulative, so the API server only keeps the
+  `lockstep_engine.protocol.CoreMetrics` message. Snapshots are cumulative, so the API server only keeps the
   latest and a coalesced or late one loses nothing.
 * `ServerMetrics` lives in the API-server process, where requests arrive and tokens are counted the
   way `usage` counts them. It observes TTFT, per-token ITL, e2e latency and lengths, and `render()`
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
 
-from lockstep import metrics_names as n
-from lockstep import protocol as p
-from lockstep import vllm_metrics as v
+from lockstep_common import metrics_names as n
+from lockstep_engine import protocol as p
+from lockstep_common import vllm_metrics as v
 
 
 OCCUPANCY_WINDOW_S = 5.0  # the span of lockstep_gpu_occupancy_ratio
@@ -206,7 +206,7 @@ def _request_specs(max_model_len: int) -> dict[str, Spec]:
         Spec(n.GENERATION_TOKENS, "counter", "Tokens generated and returned (as usage counts them)"),
         Spec(n.REQUESTS_FINISHED, "counter", "Samples (choices) that ended, by how: stop, length, abort (client gone "
              "or shutdown) or error (engine core lost)", ("reason",)),
-        # vLLM's series observed here (lockstep.vllm_metrics); label `engine` after `model_name`, as vLLM.
+        # vLLM's series observed here (lockstep_common.vllm_metrics); label `engine` after `model_name`, as vLLM.
         *(Spec(m.name, m.kind, m.help, ("engine",), v.buckets_of(m, max_model_len))
           for m in v.METRICS if m.name in v.OBSERVED_HISTOGRAMS),
     )}
@@ -435,9 +435,9 @@ class ServerMetrics:
             (n.KV_CACHE_USAGE, "Fraction of KV-cache blocks in use, 0..1", stats.kv_cache_usage),
             (n.GPU_OCCUPANCY, "Device busy time over busy + idle time of the forwards of the last "
              f"{OCCUPANCY_WINDOW_S:g} s (idle: gaps between back-to-back forwards), 0..1", stats.gpu_occupancy),
-            (n.VLLM_RUNNING, "Number of requests in model execution batches.", stats.num_running),
-            (n.VLLM_WAITING, "Number of requests waiting to be processed.", stats.num_waiting),
-            (n.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+            (v.NUM_REQUESTS_RUNNING, v.BY_NAME[v.NUM_REQUESTS_RUNNING].help, stats.num_running),
+            (v.NUM_REQUESTS_WAITING, v.BY_NAME[v.NUM_REQUESTS_WAITING].help, stats.num_waiting),
+            (v.KV_CACHE_USAGE, v.BY_NAME[v.KV_CACHE_USAGE].help, stats.kv_cache_usage),
         ):
             engine = f',engine="{v.ENGINE_INDEX}"' if name.startswith("vllm:") else ""
             out.append(f'{self._header(name, help_text, "gauge")}{name}{{model_name="{model}"{engine}}} '

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lockstep.protocol import SequenceOutput, TokenLogprobs
+from lockstep_engine.protocol import SequenceOutput, TokenLogprobs
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lockstep.protocol import TokenLogprobs
+from lockstep_engine.protocol import TokenLogprobs
 
 
 @dataclass

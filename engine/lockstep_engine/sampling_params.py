@@ -186,7 +186,7 @@ class SamplingParams:
         return bias
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain data, as `lockstep.protocol.AddRequest.sampling` carries them. Shallow: the
+        """The fields as plain data, as `lockstep_engine.protocol.AddRequest.sampling` carries them. Shallow: the
         message is pickled anyway, and `asdict`'s deep copy of a 100,000-choice list took a second of the
         API process's event loop."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from lockstep.protocol import TokenLogprobs
+from lockstep_engine.protocol import TokenLogprobs
 from lockstep_engine.sampling_params import SamplingParams
 
 

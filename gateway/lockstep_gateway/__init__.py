@@ -4,9 +4,6 @@ It imports nothing from the `lockstep` package (whose `lockstep up` starts it) a
 engine: the dependency runs one way, `lockstep` -> `lockstep_gateway` (pyproject's import-linter contracts).
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from lockstep_common.version import distribution_version
 
-try:
-    __version__ = version("lockstep")  # the distribution this package ships in
-except PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
+__version__ = distribution_version()  # the distribution this package ships in

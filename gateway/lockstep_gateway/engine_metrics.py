@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from lockstep_common import vllm_metrics as v
 from lockstep_gateway.routing import EngineLoad
 
 _GAUGES = {
-    "vllm:num_requests_running": "num_running",
-    "vllm:num_requests_waiting": "num_waiting",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    v.NUM_REQUESTS_RUNNING: "num_running",
+    v.NUM_REQUESTS_WAITING: "num_waiting",
+    v.KV_CACHE_USAGE: "kv_cache_usage",
 }
 
 

@@ -26,6 +26,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from lockstep_common import metrics_names as n
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -64,52 +66,52 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("lockstep_gateway_requests", "Client requests answered, by route, model and status",
+        self.requests = Counter(n.GATEWAY_REQUESTS, "Client requests answered, by route, model and status",
                                 ["route", "model", "status"], registry=r)
         self.upstream_latency = Histogram(
-            "lockstep_gateway_upstream_latency_seconds",
+            n.GATEWAY_UPSTREAM_LATENCY,
             "Upstream time per attempt: to the first byte of the body (phase=first_byte) and to its end (phase=total)",
             ["route", "phase"], buckets=LATENCY_BUCKETS, registry=r)
-        self.upstream_requests = _EngineCounter("lockstep_gateway_upstream_requests",
+        self.upstream_requests = _EngineCounter(n.GATEWAY_UPSTREAM_REQUESTS,
                                          "Attempts sent to an engine, by outcome (ok, error, timeout, retried)",
                                          ["engine", "outcome"], registry=r)
-        self.retries = Counter("lockstep_gateway_retries",
+        self.retries = Counter(n.GATEWAY_RETRIES,
                                "Requests retried on another engine after one refused them unstarted", ["reason"],
                                registry=r)
-        self.retries_refused = Counter("lockstep_gateway_retries_refused",
+        self.retries_refused = Counter(n.GATEWAY_RETRIES_REFUSED,
                                        "Retries not made because the retry budget was spent", registry=r)
-        self.breaker_opened = _EngineCounter("lockstep_gateway_breaker_opened",
+        self.breaker_opened = _EngineCounter(n.GATEWAY_BREAKER_OPENED,
                                       "Times an engine's circuit breaker opened", ["engine"], registry=r)
-        self.admission_refused = Counter("lockstep_gateway_admission_refused",
+        self.admission_refused = Counter(n.GATEWAY_ADMISSION_REFUSED,
                                          "Requests refused with 503 because --max-in-flight were in progress",
                                          registry=r)
-        self.stream_errors = Counter("lockstep_gateway_stream_errors",
+        self.stream_errors = Counter(n.GATEWAY_STREAM_ERRORS,
                                      "Streams ended with an SSE error event after the first byte", ["reason"], registry=r)
-        self.upstream_healthy = _EngineGauge("lockstep_gateway_upstream_healthy",
+        self.upstream_healthy = _EngineGauge(n.GATEWAY_UPSTREAM_HEALTHY,
                                       "1 while an engine passes health checks and takes requests", ["engine"], registry=r,
                                       multiprocess_mode="livemax")
-        self.upstream_in_flight = _EngineGauge("lockstep_gateway_upstream_in_flight",
+        self.upstream_in_flight = _EngineGauge(n.GATEWAY_UPSTREAM_IN_FLIGHT,
                                         "Requests the gateway has open on an engine", ["engine"], registry=r,
                                         multiprocess_mode="livesum")
-        self.ejections = _EngineCounter("lockstep_gateway_ejections", "Engines taken out of rotation", ["engine"], registry=r)
-        self.queue_depth = Gauge("lockstep_gateway_queue_depth",
+        self.ejections = _EngineCounter(n.GATEWAY_EJECTIONS, "Engines taken out of rotation", ["engine"], registry=r)
+        self.queue_depth = Gauge(n.GATEWAY_QUEUE_DEPTH,
                                  "Requests waiting in the gateway for an engine of the model to have room", ["model"],
                                  registry=r, multiprocess_mode="livesum")
-        self.queue_wait = Histogram("lockstep_gateway_queue_wait_seconds",
+        self.queue_wait = Histogram(n.GATEWAY_QUEUE_WAIT,
                                     "Time a request waited in the gateway's queue before an engine took it", ["model"],
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.requests_refused = Counter(
-            "lockstep_gateway_requests_refused",
+            n.GATEWAY_REQUESTS_REFUSED,
             "Requests the gateway refused for want of an engine, by reason (429: queue_full past --max-queue-length, "
             "queue_memory past --max-queue-bytes, queue_wait when the engines would not reach it within "
             "--queue-timeout at their drain rate, queue_timeout when the queue stopped moving; 503: sheddable, "
             "unavailable)", ["reason"], registry=r)
         self.queue_drain_rate = Gauge(
-            "lockstep_gateway_queue_drain_rate",
+            n.GATEWAY_QUEUE_DRAIN_RATE,
             "Requests per second leaving the model's queue while it has a backlog (the engines' measured "
             "throughput, which admission divides the queue by); 0 until measured", ["model"], registry=r,
             multiprocess_mode="livesum")
-        self.rate_limited = Counter("lockstep_gateway_rate_limited_requests",
+        self.rate_limited = Counter(n.GATEWAY_RATE_LIMITED,
                                     "Requests refused with 429, by the limit they hit (requests or tokens)", ["limit"],
                                     registry=r)
 

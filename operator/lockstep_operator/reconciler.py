@@ -18,6 +18,8 @@ from datetime import datetime, timezone
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from lockstep_common import metrics_names as n
+from lockstep_common import vllm_metrics as v
 from lockstep_operator import metrics
 from lockstep_operator.autoscale import Demand, desired_replicas, gauge_sum
 from lockstep_operator.conditions import error_status, status_changed
@@ -221,8 +223,8 @@ class Reconciler:
             if labels_of(pod).get(LABEL_POD_INDEX) != "0" or not ip or not is_pod_ready(pod):
                 continue
             text = scrape(f"http://{ip}:{ENGINE_PORT}/metrics")
-            waiting += gauge_sum(text, "vllm:num_requests_waiting")
-            running += gauge_sum(text, "vllm:num_requests_running")
+            waiting += gauge_sum(text, v.NUM_REQUESTS_WAITING)
+            running += gauge_sum(text, v.NUM_REQUESTS_RUNNING)
         if self.config.gateway_selector:
             try:
                 gateways = self.kube.pod_ips(self.config.gateway_namespace or namespace, self.config.gateway_selector)
@@ -231,7 +233,7 @@ class Reconciler:
                 gateways = []
             for ip in gateways:
                 text = scrape(f"http://{ip}:{self.config.gateway_metrics_port}/metrics", failing=self._failing_gateways)
-                queued += gauge_sum(text, "lockstep_gateway_queue_depth", {"model": served_name})
+                queued += gauge_sum(text, n.GATEWAY_QUEUE_DEPTH, {"model": served_name})
         return Demand(waiting=waiting, running=running, queued=queued)
 
     def _fail(self, owner: dict | None, message: str) -> None:

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from lockstep import metrics_names as n
-from lockstep import protocol as p
+from lockstep_common import metrics_names as n
+from lockstep_engine import protocol as p
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.core_process import run_engine_core
 from lockstep_engine.llm import LLM

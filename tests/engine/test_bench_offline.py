@@ -1,7 +1,7 @@
 """The offline benchmark loop shared by `lockstep bench throughput` and benchmarks/gpu_run.py."""
 
 from lockstep.bench.workload import WorkloadRequest
-from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
+from lockstep.bench.offline import greedy_requests, run_offline
 
 WORKLOAD = [WorkloadRequest([5, 6, 7], 9), WorkloadRequest([8] * 20, 3), WorkloadRequest([9] * 40, 1)]
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lockstep.bench.workload import make_workload
-from lockstep_engine.entrypoints.bench_offline import greedy_requests
+from lockstep.bench.offline import greedy_requests
 from lockstep_engine.llm import LLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,7 +112,7 @@ def test_prefill_warm_up_leaves_the_timed_prompts_uncached(gpu_run, tiny):
 
 
 def test_first_divergences_report_position_gap_and_the_near_tie_rule(gpu_run):
-    from lockstep.protocol import TokenLogprobs
+    from lockstep_engine.protocol import TokenLogprobs
 
     def result(tokens, tops):  # a generate() result's fields that the comparison reads
         logprobs = [TokenLogprobs(t, top[0][1], 1, top) for t, top in zip(tokens, tops)] if tops else []

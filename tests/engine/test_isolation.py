@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lockstep import protocol as p
+from lockstep_engine import protocol as p
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.core_process import run_engine_core
 from lockstep_engine.output_processor import IncrementalDetokenizer

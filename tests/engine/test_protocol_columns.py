@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from lockstep import protocol as p
+from lockstep_engine import protocol as p
 
 
 def _batch(window: int, tokens: list[int]) -> p.TokenBatch:

@@ -2,7 +2,7 @@
 
 import pickle
 
-from lockstep import protocol as p
+from lockstep_engine import protocol as p
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
 

@@ -21,7 +21,7 @@ from lockstep_engine.runner.outputs import StepOutput, StepTag, StepTiming, Wind
 from lockstep_engine.runner.step_clock import StepClock
 from lockstep_engine.sampling_params import SamplingParams
 
-from lockstep import metrics_names as n
+from lockstep_common import metrics_names as n
 
 CPU = torch.device("cpu")
 

@@ -3,7 +3,8 @@
 import pytest
 
 from lockstep_engine.config import ConfigError, EngineConfig
-from lockstep_engine.entrypoints import bench_throughput, generate, serve
+from lockstep.bench import throughput as bench_throughput
+from lockstep_engine.entrypoints import generate, serve
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
 from lockstep_engine.sources import ModelSourceError, resolve
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from lockstep.metrics_names import parse_samples
+from lockstep_common.metrics_names import parse_samples
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 120.0

@@ -20,7 +20,8 @@ import httpx
 import pytest
 from metrics_harness import REPO, Process, Prometheus, free_port, wait_until
 
-from lockstep import metrics_names as n
+from lockstep_common import metrics_names as n
+from lockstep_common import vllm_metrics as v
 
 DASHBOARD = os.path.join(REPO, "charts", "lockstep", "dashboards", "lockstep.json")
 LOAD_S = 6.0
@@ -77,7 +78,7 @@ async def _worker(client: httpx.AsyncClient, url: str, model: str, seed: int, un
 @pytest.fixture(scope="module")
 def traffic(server, prometheus):
     """LOAD_S seconds of streamed requests from WORKERS clients; what the client saw, and when."""
-    wait_until(lambda: server.scrape().get(n.VLLM_RUNNING) == 0, 30, "an idle server")
+    wait_until(lambda: server.scrape().get(v.NUM_REQUESTS_RUNNING) == 0, 30, "an idle server")
     # Prometheus must hold an idle sample before the load starts.
     before = server.scrape()
     wait_until(lambda: prometheus.query(f"{n.GENERATION_TOKENS} >= {before.get(n.GENERATION_TOKENS)}"), 10,

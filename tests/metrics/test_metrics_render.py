@@ -15,8 +15,8 @@ from lockstep_engine.engine_core import CoreStats
 from lockstep_engine.metrics import CoreMetrics
 from lockstep_engine.runner.outputs import StepTag, StepTiming, WindowTimings
 
-from lockstep import metrics_names as n
-from lockstep import protocol as p
+from lockstep_common import metrics_names as n
+from lockstep_engine import protocol as p
 
 N = 8
 

@@ -16,7 +16,8 @@ import threading
 import httpx
 from metrics_harness import wait_until
 
-from lockstep import metrics_names as n
+from lockstep_common import metrics_names as n
+from lockstep_common import vllm_metrics as v
 
 N = 8
 SCRAPES: list = []  # every final scrape, for the sweep at the end
@@ -27,7 +28,7 @@ def _delta(before, after, name: str, **labels) -> float:
 
 
 def _idle(server):
-    return wait_until(lambda: server.scrape().get(n.VLLM_RUNNING) == 0 and server.scrape().get(n.VLLM_WAITING) == 0,
+    return wait_until(lambda: server.scrape().get(v.NUM_REQUESTS_RUNNING) == 0 and server.scrape().get(v.NUM_REQUESTS_WAITING) == 0,
                       30, "an idle server")
 
 
@@ -194,20 +195,20 @@ def test_scheduler_gauges_and_abort_follow_a_request_in_flight(server):
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()  # held open: a dropped iterator closes the stream (an abort)
         next(line for line in lines if line.startswith("data: {"))
-        during = wait_until(lambda: (s := server.scrape()).get(n.VLLM_RUNNING) == 1 and s, 30, "one running request")
+        during = wait_until(lambda: (s := server.scrape()).get(v.NUM_REQUESTS_RUNNING) == 1 and s, 30, "one running request")
         assert during.get(n.REQUESTS_RUNNING) == 1
-        usage = during.get(n.VLLM_KV_USAGE)
+        usage = during.get(v.KV_CACHE_USAGE)
         assert 0 < usage <= 1 and during.get(n.KV_CACHE_USAGE) == usage
         SCRAPES.append(during)
     after = _settled(server, before, {n.REQUESTS_FINISHED: 1})
     assert _delta(before, after, n.REQUESTS_FINISHED, reason="abort") == 1
-    wait_until(lambda: server.scrape().get(n.VLLM_RUNNING) == 0, 30, "the aborted request to leave the batch")
-    assert server.scrape().get(n.VLLM_KV_USAGE) == 0
+    wait_until(lambda: server.scrape().get(v.NUM_REQUESTS_RUNNING) == 0, 30, "the aborted request to leave the batch")
+    assert server.scrape().get(v.KV_CACHE_USAGE) == 0
 
 
 def test_cache_config_and_step_timer_info(server):
     scrape = server.scrape()
-    assert scrape.get(n.VLLM_CACHE_CONFIG, block_size=16, num_gpu_blocks=1024, num_scheduler_steps=N,
+    assert scrape.get(v.CACHE_CONFIG_INFO, block_size=16, num_gpu_blocks=1024, num_scheduler_steps=N,
                       model_name=server.model) == 1
     assert scrape.get(n.STEP_TIMER_INFO, method="host_clock") == 1
     assert scrape.get(n.STEP_TIMER_INFO, method="cuda_events") == 0
@@ -226,9 +227,9 @@ def test_preemptions_and_waiting_on_a_small_kv_cache(small_cache_server):
                 "ignore_eos": True})) for i in range(4)]
             while not all(t.done() for t in tasks):
                 scrape = await asyncio.to_thread(server.scrape)
-                waiting_seen.append(scrape.get(n.VLLM_WAITING))
-                if scrape.get(n.VLLM_WAITING) > 0:
-                    assert scrape.get(n.REQUESTS_WAITING) == scrape.get(n.VLLM_WAITING)
+                waiting_seen.append(scrape.get(v.NUM_REQUESTS_WAITING))
+                if scrape.get(v.NUM_REQUESTS_WAITING) > 0:
+                    assert scrape.get(n.REQUESTS_WAITING) == scrape.get(v.NUM_REQUESTS_WAITING)
                     SCRAPES.append(scrape)
                 await asyncio.sleep(0.02)
             return [t.result().json()["usage"] for t in tasks]

@@ -1,6 +1,6 @@
 """vLLM's V1 metric set on a real `lockstep serve`: names, types, labels and buckets as vLLM documents them.
 
-The reference below is copied from vLLM, not from lockstep.vllm_metrics, so a drift on either side fails:
+The reference below is copied from vLLM, not from lockstep_common.vllm_metrics, so a drift on either side fails:
 source vllm/v1/metrics/loggers.py (`PrometheusStatLogger.__init__`), vLLM v0.11.x
 (https://github.com/vllm-project/vllm/blob/v0.11.0/vllm/v1/metrics/loggers.py; the copy read is the one
 whose comments say "Deprecated in 0.11 - Renamed as vllm:inter_token_latency_seconds"), and
@@ -16,7 +16,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from lockstep import vllm_metrics as v
+from lockstep_common import vllm_metrics as v
 
 ENGINE = ("model_name", "engine")
 _LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,

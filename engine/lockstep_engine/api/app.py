@@ -22,7 +22,7 @@ from lockstep_common.health_listener import request_id as listener_request_id
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-import lockstep
+from lockstep_engine import __version__
 from lockstep_engine.api import anthropic, metrics, responses
 from lockstep_engine.api import tokenize as token_routes
 from lockstep_engine.api.body_text import undecodable_text
@@ -388,7 +388,7 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="Lockstep engine server", version=lockstep.__version__, lifespan=lifespan,
+    app = FastAPI(title="Lockstep engine server", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of a Lockstep engine (vLLM-compatible parameters).")
     app.state.server = state
     app.add_middleware(GuardMiddleware, state=state)
@@ -431,7 +431,7 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
-        return {"version": lockstep.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -1,6 +1,6 @@
 """`EngineCoreClient`: the API server's side of the engine-core process.
 
-It spawns the core, sends it `lockstep.protocol` messages and turns what comes back into per-request
+It spawns the core, sends it `lockstep_engine.protocol` messages and turns what comes back into per-request
 events on the asyncio loop. Detokenization and stop strings happen here, in the API process, through
 the engine's `OutputProcessor`; a stop string found here is sent back so the core stops computing.
 A reader thread blocks on the pipe so the event loop never does; a watchdog marks the core dead when
@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from lockstep import protocol as p
+from lockstep_engine import protocol as p
 from lockstep_engine.api import core_launch, metrics
 from lockstep_engine.log import log
 from lockstep_engine.output_processor import OutputProcessor, RequestState

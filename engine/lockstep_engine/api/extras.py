@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lockstep.protocol import TokenLogprobs
+from lockstep_engine.protocol import TokenLogprobs
 from lockstep_engine.api.errors import bad_request
 from lockstep_engine.api.openai_models import CompletionRequest
 from lockstep_engine.sampling_params import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS

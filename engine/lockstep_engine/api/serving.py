@@ -17,7 +17,7 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from lockstep.protocol import TokenLogprobs
+from lockstep_engine.protocol import TokenLogprobs
 from lockstep_engine.api import extras, metrics, reasoning, structured, tools
 from lockstep_engine.api.client import EngineBusyError, EngineCoreClient, EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.sse import (SSE_DONE, SSE_HEADERS, ClientGone, message_text, sse, take_delta, usage,

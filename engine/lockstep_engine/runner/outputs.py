@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from lockstep.protocol import TokenLogprobs
+from lockstep_engine.protocol import TokenLogprobs
 
 
 # Why a row's sequence ended at this step, as the device decided it (`Steps.advance`); the host

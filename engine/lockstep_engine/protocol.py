@@ -1,7 +1,8 @@
 """Messages between the API server process and the engine-core process.
 
-Plain dataclasses, pickled over a pipe: no torch, no web framework, nothing from the engine, so a
-gateway or a test can import them. The API side sends requests, aborts and stop-string hits; the
+Plain dataclasses, pickled over a pipe: no torch, no web framework, nothing else from the engine, so
+the API-server process and a test import them without loading the model code. They stay inside the
+engine: the gateway speaks to an engine over HTTP (OpenAI's JSON), not with these messages. The API side sends requests, aborts and stop-string hits; the
 core answers with one `StepOutputs` per decode step (streaming is per token, not per window), the
 stats the scheduler sees, and a heartbeat that proves its loop is alive.
 

@@ -2,9 +2,10 @@
 
 Standard library only (no prometheus_client, no torch), so the gateway, the operator and a test can
 import it. The rules (docs/ARCHITECTURE.md): prefix `lockstep_`, base units, counters end in `_total`
-(the constants below are the exposed names, suffix included), no request-level labels.
-The vLLM names are exported unchanged next to ours, so routers and autoscalers built for vLLM read a
-Lockstep engine as they read vLLM.
+(the constants below are the exposed names, suffix included; prometheus_client takes a counter's
+name with or without it), no request-level labels. vLLM's names, exported unchanged next to ours so
+routers and autoscalers built for vLLM read a Lockstep engine as they read vLLM, are in
+`lockstep_common.vllm_metrics`.
 """
 
 from __future__ import annotations
@@ -51,11 +52,7 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 # ---- label values ---------------------------------------------------------------------------
-STEP_PHASES = ("prefill", "decode")  # prefill: the forward fed prompt tokens (mixed batches included)
-BOUNDARIES = ("window_start", "intra")  # the gap before a window's first step / between steps of a window
-HOST_PHASES = ("schedule", "prepare", "pythonize", "update", "detokenize", "output_ipc")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-TIMER_METHODS = ("cuda_events", "host_clock")
 
 # ---- engine: step timing --------------------------------------------------------------------
 STEP_GAP = "lockstep_step_gap_seconds"
@@ -89,23 +86,30 @@ QUEUE_TIME = "lockstep_request_queue_time_seconds"
 REQUEST_PROMPT_TOKENS = "lockstep_request_prompt_tokens"
 REQUEST_GENERATION_TOKENS = "lockstep_request_generation_tokens"
 
-# ---- vLLM's routing series (label `model_name`, as vLLM) ------------------------------------
-VLLM_RUNNING = "vllm:num_requests_running"
-VLLM_WAITING = "vllm:num_requests_waiting"
-VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # a 0..1 fraction despite the name, as in vLLM
-VLLM_CACHE_CONFIG = "vllm:cache_config_info"
-VLLM_ROUTING_GAUGES = (VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE)
-
-# ---- gateway and operator (declared in lockstep_gateway.metrics / lockstep_operator.metrics) --
+# ---- gateway (declared in lockstep_gateway.metrics; the operator's autoscaler reads the queue depth) ----
 GATEWAY_REQUESTS = "lockstep_gateway_requests_total"
 GATEWAY_UPSTREAM_LATENCY = "lockstep_gateway_upstream_latency_seconds"
 GATEWAY_UPSTREAM_REQUESTS = "lockstep_gateway_upstream_requests_total"
 GATEWAY_RETRIES = "lockstep_gateway_retries_total"
+GATEWAY_RETRIES_REFUSED = "lockstep_gateway_retries_refused_total"
+GATEWAY_BREAKER_OPENED = "lockstep_gateway_breaker_opened_total"
+GATEWAY_ADMISSION_REFUSED = "lockstep_gateway_admission_refused_total"
+GATEWAY_STREAM_ERRORS = "lockstep_gateway_stream_errors_total"
 GATEWAY_UPSTREAM_HEALTHY = "lockstep_gateway_upstream_healthy"
+GATEWAY_UPSTREAM_IN_FLIGHT = "lockstep_gateway_upstream_in_flight"
+GATEWAY_EJECTIONS = "lockstep_gateway_ejections_total"
+GATEWAY_QUEUE_DEPTH = "lockstep_gateway_queue_depth"
+GATEWAY_QUEUE_WAIT = "lockstep_gateway_queue_wait_seconds"
+GATEWAY_REQUESTS_REFUSED = "lockstep_gateway_requests_refused_total"
+GATEWAY_QUEUE_DRAIN_RATE = "lockstep_gateway_queue_drain_rate"
 GATEWAY_RATE_LIMITED = "lockstep_gateway_rate_limited_requests_total"
+
+# ---- operator (declared in lockstep_operator.metrics) ---------------------------------------
 OPERATOR_RECONCILES = "lockstep_operator_reconciles_total"
 OPERATOR_RECONCILE_ERRORS = "lockstep_operator_reconcile_errors_total"
 OPERATOR_RECONCILE_DURATION = "lockstep_operator_reconcile_duration_seconds"
+OPERATOR_GROUP_RESTARTS = "lockstep_operator_group_restarts_total"
+OPERATOR_GROUP_UPDATES = "lockstep_operator_group_updates_total"
 
 
 def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

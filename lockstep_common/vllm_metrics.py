@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lockstep import metrics_names as n
+from lockstep_common import metrics_names as n
 
 ENGINE_LABELS = ("model_name", "engine")  # every vLLM engine series; engine is the index, "0" here
 ENGINE_INDEX = "0"

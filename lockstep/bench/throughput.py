@@ -10,10 +10,10 @@ import argparse
 import json
 import sys
 
-from lockstep_common.argparsing import ArgumentParser
+from lockstep.bench.offline import greedy_requests, run_offline
 from lockstep.bench.workload import make_workload
+from lockstep_common.argparsing import ArgumentParser
 from lockstep_engine.config import SCHEDULING_POLICIES, num_scheduler_steps_arg
-from lockstep_engine.entrypoints.bench_offline import greedy_requests, run_offline
 from lockstep_engine.llm import LLM
 from lockstep_engine.sampling_params import SamplingParams
 
