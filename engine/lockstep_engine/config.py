@@ -7,6 +7,7 @@ No torch here: the scheduler and block manager read this too.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, replace
 from typing import Literal, Union
 
@@ -86,6 +87,87 @@ def parse_layer_partition(value, pp_size: int) -> tuple[int, ...] | None:
     return counts
 
 
+# ---- speculative decoding (vLLM's --speculative-config) ------------------------------------------
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's other methods: each needs weights or heads trained for the target, which no source here carries.
+REFUSED_SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp", "suffix")
+MAX_SPECULATIVE_TOKENS = 16
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`: each step of a window proposes `num_speculative_tokens` tokens per row
+    (n-gram prompt lookup, or a draft model) and the target verifies them in one forward."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # draft_model: the draft's source (any model source of `sources.resolve`)
+    prompt_lookup_max: int = 0  # ngram: the longest suffix looked up in the row's tokens
+    prompt_lookup_min: int = 0  # ngram: the shortest
+
+    @property
+    def is_ngram(self) -> bool:
+        return self.method == "ngram"
+
+
+def _field(name: str, value, allowed: str) -> ConfigError:
+    return ConfigError(f"speculative_config.{name}={value!r} is invalid: expected {allowed}")
+
+
+def _spec_int(values: dict, name: str, low: int, high: int, default: int | None = None) -> int:
+    value = values.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise _field(name, value, f"an integer in [{low}, {high}]")
+    return value
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """vLLM's JSON object (or the dict itself, or a `SpeculativeConfig`); None or "" when off. Errors
+    name the field, the value and what is allowed."""
+    if value is None or value == "" or isinstance(value, SpeculativeConfig):
+        return value or None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"speculative_config={value!r} is invalid: expected a JSON object ({error})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config={value!r} is invalid: expected a JSON object")
+    unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise _field(unknown[0], value[unknown[0]], "one of the keys " + ", ".join(_SPECULATIVE_KEYS))
+    method = value.get("method")
+    if method is None and value.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
+        method = "ngram"
+    if method in REFUSED_SPECULATIVE_METHODS:
+        raise ConfigError(f"speculative_config.method={method!r} is not supported here: this engine drafts with "
+                          f"{' or '.join(SPECULATIVE_METHODS)} only")
+    if method not in SPECULATIVE_METHODS:
+        raise _field("method", method, "one of " + ", ".join(SPECULATIVE_METHODS))
+    k = _spec_int(value, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    if method == "draft_model":
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise _field("model", model, "the draft model's source (smollm2, random:<shape>, a .gguf file, "
+                                         "a model directory or hub id)")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if name in value:
+                raise _field(name, value[name], "no prompt_lookup_* with method 'draft_model'")
+        return SpeculativeConfig(method, k, model=model)
+    high = _spec_int(value, "prompt_lookup_max", 1, 64, default=value.get("prompt_lookup_min", 4))
+    low = _spec_int(value, "prompt_lookup_min", 1, high, default=min(high, 1))
+    return SpeculativeConfig(method, k, prompt_lookup_max=high, prompt_lookup_min=low)
+
+
+def speculative_config_arg(text: str) -> SpeculativeConfig | None:
+    """argparse `type=` for `--speculative-config`."""
+    try:
+        return parse_speculative_config(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -145,6 +227,8 @@ class EngineConfig:
     download_dir: str | None = None
     revision: str | None = None
     load_format: Literal["auto", "safetensors", "gguf"] = "auto"
+    # vLLM's --speculative-config (JSON, a dict or a `SpeculativeConfig`); None: no speculation
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -186,6 +270,12 @@ class EngineConfig:
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
                  "one of " + ", ".join(ATTENTION_BACKENDS))
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", self.max_logprobs, "an integer in [0, 100]")
+        spec = parse_speculative_config(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError(f"speculative_config is not supported with tensor_parallel_size="
+                              f"{self.tensor_parallel_size} and pipeline_parallel_size={self.pipeline_parallel_size}: "
+                              f"speculative windows run on one rank only")
 
     @property
     def is_adaptive(self) -> bool:

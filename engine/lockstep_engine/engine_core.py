@@ -27,9 +27,10 @@ from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.group.executor import Executor
 from lockstep_engine.log import log
-from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_STOP, StepOutput, WindowTimings
+from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_STOP, SpecCounts, StepOutput, WindowTimings
 from lockstep_engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, WindowPlan
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
+from lockstep_engine.spec_decode.requests import check_speculative
 
 
 @dataclass
@@ -47,6 +48,7 @@ class CoreStats:
     # Windows whose last step the next window handed over (overlap); the others delivered every step
     # themselves (overlap off, or a row whose sampling needs its tokens on the host)
     num_overlapped_windows: int = 0
+    spec: SpecCounts | None = None  # speculative decoding's proposals and acceptances (None: no speculation)
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     forward_s: float = 0.0
@@ -74,6 +76,8 @@ class CoreStats:
         earlier window's steps: they arrive as the device finishes them)."""
         self.prepare_s += timings.prepare_s
         self.output_s += timings.output_s
+        if timings.spec is not None:
+            self.spec = timings.spec.plus(self.spec)
         for timed in timings.steps:
             self.forward_s += timed.forward_s
             if timed.tag.step > 1:
@@ -104,7 +108,8 @@ class EngineCore:
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             scheduling_policy=config.scheduling_policy, lof_max_wait_s=config.lof_max_wait_s,
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
-                            max_long_partial_prefills=config.max_long_partial_prefills),
+                            max_long_partial_prefills=config.max_long_partial_prefills,
+                            speculation=config.speculative_config),
             self.blocks)
         self.requests: dict[str, Request] = {}
         # Requests with n > 1 whose samples are not forked yet, in arrival order: a window looks at these
@@ -117,8 +122,10 @@ class EngineCore:
         self._failures: list[RequestFailed] = []  # requests failed since the last `take_failures`
         # Overlap: a window's last step is handed over by the next window (see `step`); auto: where the
         # device runs ahead of the host (CUDA).
-        overlap = config.async_scheduling
+        overlap = config.async_scheduling if config.speculative_config is None else False  # speculation: synchronous
         self._overlap = executor.can_defer_tail and (overlap if overlap is not None else executor.device.type == "cuda")
+        if config.speculative_config is not None:  # a draft model loads now: one that cannot be used fails the start
+            executor.runner.draft_model(config.speculative_config)
         self._tail = None  # the last window's undelivered last step (`runner.host_stream.WindowTail`)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -129,6 +136,7 @@ class EngineCore:
         if request.prompt_len + 1 > capacity:
             raise ValueError(f"prompt of {request.prompt_len} tokens does not fit the KV cache "
                              f"({capacity} token slots)")
+        check_speculative(self.config.speculative_config, request)
         self.requests[request.request_id] = request
         if not request.forked:
             self._unforked[request] = None

@@ -102,7 +102,23 @@ class Sampler:
             if fused is not None:
                 # one kernel over the logits as the model wrote them: no float32 copy, ban and argmax fused
                 return SampleOutput(tokens=fused.greedy_sample(logits, t.stop_ids, t.min_tokens, num_generated))
-        raw = logits = logits.float()
+        raw = logits.float()
+        logits = self.processed_logits(raw, t, num_generated, output_counts, allowed, recent)
+        if t.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, t, num_generated)
+        out = SampleOutput(tokens=tokens)
+        if t.num_logprobs >= 0:
+            self._logprobs(raw, out, t.num_logprobs)
+        return out
+
+    @classmethod
+    def processed_logits(cls, logits: torch.Tensor, t: SamplingTensors, num_generated: torch.Tensor,
+                         output_counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+                         recent: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits with every per-row change applied (grammar, bias, bad words, min_tokens' ban,
+        penalties): greedy takes their argmax, sampling their softmax at the row's temperature."""
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
         if t.logit_bias is not None:
@@ -115,15 +131,16 @@ class Sampler:
             penalty = torch.zeros(ban.shape, dtype=logits.dtype, device=logits.device).masked_fill(ban, float("-inf"))
             logits = logits.scatter_add(1, t.stop_ids.clamp(min=0), penalty)
         if t.presence is not None:
-            logits = self._apply_penalties(logits, t, output_counts)
-        if t.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, t, num_generated)
-        out = SampleOutput(tokens=tokens)
-        if t.num_logprobs >= 0:
-            self._logprobs(raw, out, t.num_logprobs)
-        return out
+            logits = cls._apply_penalties(logits, t, output_counts)
+        return logits
+
+    @staticmethod
+    def probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """The distribution a sampling row draws from: softmax of the processed logits at its temperature,
+        then min-p, top-k and top-p (unnormalized after the filters; greedy rows at temperature 1)."""
+        temperature = torch.where(t.temperature <= 0, torch.ones_like(t.temperature), t.temperature)
+        probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+        return _filter(probs, t) if t.any_filter else probs
 
     @staticmethod
     def _plain_greedy(t: SamplingTensors, allowed: torch.Tensor | None) -> bool:
@@ -138,13 +155,10 @@ class Sampler:
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
         return logits - t.frequency.unsqueeze(1) * counts - t.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
-    @staticmethod
-    def _sample(logits, t: SamplingTensors, num_generated) -> torch.Tensor:
+    @classmethod
+    def _sample(cls, logits, t: SamplingTensors, num_generated) -> torch.Tensor:
         greedy = t.temperature <= 0
-        temperature = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
-        probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
-        if t.any_filter:
-            probs = _filter(probs, t)
+        probs = cls.probs(logits, t)
         noise = exponential_noise(t.seeds, num_generated, probs.shape[1])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)

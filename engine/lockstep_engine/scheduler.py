@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lockstep_engine.block_manager import BlockManager
-from lockstep_engine.config import AUTO
+from lockstep_engine.config import AUTO, SpeculativeConfig
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
 
 AUTO_MIN_STEPS = 1
@@ -51,6 +51,7 @@ class WindowPlan:
     rows: list[ScheduledSeq]
     num_steps: int
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    speculation: SpeculativeConfig | None = None  # its steps speculate; None: one token per row and step
 
     @property
     def sampling_rows(self) -> list[ScheduledSeq]:
@@ -71,6 +72,14 @@ class SchedulerLimits:
     # 0: no cap (the step budget alone chunks).
     long_prefill_token_threshold: int = 0
     max_long_partial_prefills: int = 1  # long prompts partly computed at once; the next waits its turn
+    # Speculation (`config.SpeculativeConfig`, None: off): each step may take up to K + 1 tokens per row (K
+    # drafts and the bonus token), and its verify forward writes K + 1 KV slots; the lookahead reserves the
+    # window's worst case, and every plan carries it to the runner.
+    speculation: SpeculativeConfig | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculation.num_speculative_tokens if self.speculation is not None else 0
 
 
 def _arrival(seq: Sequence) -> float:
@@ -223,6 +232,8 @@ class Scheduler:
         remaining = seq.max_num_tokens - num_tokens
         if remaining <= 0 and seq.num_pending:  # its pending token is its last: the window in flight ends it
             return None
+        if self.limits.num_speculative_tokens:  # up to K + 1 tokens per step
+            num_steps *= self.limits.num_speculative_tokens + 1
         steps = num_steps if remaining >= num_steps else max(remaining, 1)  # most rows: no min/max call
         return ScheduledSeq(seq, todo, True, steps, computed, remaining)
 
@@ -237,9 +248,9 @@ class Scheduler:
         target = len(seq.token_ids) if seq.request.forked else seq.request.prompt_len - 1
         return 0 < threshold < target - seq.num_computed and self.limits.enable_chunked_prefill
 
-    @staticmethod
-    def _slots_needed(row: ScheduledSeq) -> int:
-        extra = row.max_steps - 1 if row.samples else 0
+    def _slots_needed(self, row: ScheduledSeq) -> int:
+        # A speculating row's last verify forward writes K slots past its last accepted token.
+        extra = row.max_steps - 1 + self.limits.num_speculative_tokens if row.samples else 0
         return row.start_computed + row.num_new_tokens + extra
 
     def _preempt(self, seq: Sequence) -> None:
@@ -320,7 +331,7 @@ class Scheduler:
 
         if not rows:
             return None
-        return WindowPlan(rows=rows, num_steps=num_steps, block_copies=copies)
+        return WindowPlan(rows=rows, num_steps=num_steps, block_copies=copies, speculation=self.limits.speculation)
 
     # ---- results ----------------------------------------------------------------------------
     def complete_row(self, row: ScheduledSeq, num_sampled: int) -> None:

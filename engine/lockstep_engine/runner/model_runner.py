@@ -24,11 +24,13 @@ from lockstep_engine.runner.cuda_graphs import DecodeGraphs
 from lockstep_engine.runner.host_stream import HostRing, StepStream, WindowTail
 from lockstep_engine.runner.outputs import Guide, GuideFactory, StepOutput, StepTag, WindowTimings
 from lockstep_engine.runner.pipelined import run_pipelined
+from lockstep_engine.runner.spec_window import run_speculative
 from lockstep_engine.runner.step_clock import StepClock
 from lockstep_engine.runner.steps import Steps
 from lockstep_engine.runner.window_state import FirstStep, first_step_phase, has_guided_rows
 from lockstep_engine.scheduler import WindowPlan
 from lockstep_engine.sources import ModelSource
+from lockstep_engine.spec_decode.draft import DraftModel
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 
@@ -107,6 +109,7 @@ class ModelRunner:
         self._backends = {self.backend.name: self.backend}
         self._graphs_by_backend: dict[str, DecodeGraphs] = {}
         self.graphs = self._decode_graphs()
+        self._drafts: dict[str, DraftModel] = {}  # draft models by source, loaded once (`draft_model`)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The decode graphs of the current attention backend (None where steps run eagerly)."""
@@ -194,12 +197,25 @@ class ModelRunner:
         log(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
             f"({self.num_blocks * self._kv_bytes_per_block() / 2**30:.2f} GiB)")
 
+    def draft_model(self, spec) -> DraftModel | None:
+        """The draft model of a `SpeculativeConfig` (None for n-gram drafting), loaded on first use with a
+        KV cache over this runner's blocks."""
+        if spec is None or spec.is_ngram:
+            return None
+        if spec.model not in self._drafts:
+            self._drafts[spec.model] = DraftModel(spec, self.config, self.model_config.vocab_size, self.device,
+                                                  self.dtype, self.num_blocks)
+        return self._drafts[spec.model]
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for attn in self.model.attention_layers():
+        layers = self.model.attention_layers()
+        for draft in self._drafts.values():
+            layers = layers + draft.attention_layers()
+        for attn in layers:
             attn.k_cache[dst] = attn.k_cache[src]
             attn.v_cache[dst] = attn.v_cache[src]
 
@@ -228,6 +244,11 @@ class ModelRunner:
         leaves its own last step undelivered in `timings.tail` in the same way."""
         started = time.perf_counter()
         self.copy_blocks(plan.block_copies)
+        if plan.speculation is not None:
+            if tail is not None:
+                raise RuntimeError("a window tail cannot be carried into a speculative window")
+            return run_speculative(self.steps, plan, self.draft_model(plan.speculation), self.clock, on_step,
+                                   continuing, should_cut, started)
         if self.micro_batches > 1 and len(plan.rows) > 1:
             if tail is not None:
                 raise RuntimeError("a window tail cannot be carried into pipeline micro-batches")

@@ -73,6 +73,31 @@ class StepTiming:
     gap_s: float | None  # since the previous forward ended; None: the first step after idle
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """Speculative decoding's proposals and acceptances (vLLM's spec_decode counters), of a window or summed."""
+
+    num_drafts: int = 0  # (row, step) pairs that proposed tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()  # drafts accepted at draft position j (0..K-1)
+
+    def plus(self, other: "SpecCounts | None") -> "SpecCounts":
+        if other is None:
+            return self
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        per_pos = [0] * width
+        for counts in (self.accepted_per_pos, other.accepted_per_pos):
+            for j, count in enumerate(counts):
+                per_pos[j] += count
+        return SpecCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                          self.num_accepted_tokens + other.num_accepted_tokens, tuple(per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
 @dataclass
 class WindowTimings:
     prepare_s: float = 0.0
@@ -84,6 +109,7 @@ class WindowTimings:
     # The window's last step when it was left undelivered for the next window to hand over (overlap):
     # a `runner.host_stream.WindowTail`; None when every step was delivered.
     tail: object = None
+    spec: SpecCounts | None = None  # a speculative window's proposals and acceptances
 
 
 class Guide(Protocol):
