@@ -5,13 +5,19 @@ the loop drains it between steps (aborts and stop strings) and between windows (
 a writer sends every step's outputs as they are emitted and a heartbeat whenever the pipe has been
 quiet for a while. The heartbeat carries the time of the loop's last progress, so the API server
 can tell a live process with a stuck loop from a healthy one.
+
+With `--api-server-count N` there is a reader and a writer per API server, and `core_clients.ClientRouter`
+in front of the writers sends each request's outputs to the API server that sent it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
+import signal
+import socket
 import sys
 import threading
 import time
@@ -20,6 +26,7 @@ from dataclasses import asdict
 
 from lockstep_engine import protocol as p
 from lockstep_engine.config import EngineConfig
+from lockstep_engine.core_clients import ClientRouter
 from lockstep_engine.engine_core import EngineCore
 from lockstep_engine.group.executor import load_engine
 from lockstep_engine.guided import TEMPLATE_ATTR
@@ -33,15 +40,24 @@ HEARTBEAT_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.5
 METRICS_INTERVAL_S = 0.05  # step-timing snapshots while busy (cumulative: the API keeps the latest)
 _COMPILING = object()  # `CoreLoop._grammar_of`: the request waits for its grammar
+_CLOSE = object()  # `_Writer.close`: the writer thread ends
+# Messages an API server has not read yet; past it (with several API servers) it is dropped, its requests
+# aborted, rather than let one stopped process grow the core's memory without bound.
+MAX_CLIENT_BACKLOG = 65536
 
 
 class _Writer(threading.Thread):
-    def __init__(self, conn, core_loop: "CoreLoop"):
-        super().__init__(name="lockstep-core-writer", daemon=True)
+    """Sends one API server's messages, and a heartbeat whenever its pipe has been quiet for a while."""
+
+    def __init__(self, conn, core_loop: "CoreLoop", index: int = 0, on_lost=None):
+        super().__init__(name=f"lockstep-core-writer-{index}", daemon=True)
         self.conn = conn
         self.loop = core_loop
+        self.index = index
+        self.on_lost = on_lost  # called once if this API server cannot be written to; None: exit the process
         self.outbox: queue.Queue = queue.Queue()
         self.columns = p.ColumnCache()  # a window's token-batch columns go once
+        self.lost = False
 
     def run(self) -> None:
         last_sent = 0.0
@@ -50,6 +66,8 @@ class _Writer(threading.Thread):
                 message = self.outbox.get(timeout=HEARTBEAT_INTERVAL_S)
             except queue.Empty:
                 message = None
+            if message is _CLOSE:
+                return
             if message is None and time.monotonic() - last_sent < HEARTBEAT_INTERVAL_S:
                 continue
             if message is None:
@@ -59,13 +77,33 @@ class _Writer(threading.Thread):
             try:
                 self.conn.send(message)
             except (OSError, EOFError, ValueError):  # the API server is gone
-                os._exit(0)
+                self._lose()
+                return
             last_sent = time.monotonic()
             if isinstance(message, p.CoreFailed):
                 return
 
     def send(self, message) -> None:
+        if self.lost:
+            return
+        if self.on_lost is not None and self.outbox.qsize() >= MAX_CLIENT_BACKLOG:
+            log(f"error: API server {self.index} has not read {self.outbox.qsize()} messages; dropping it")
+            with contextlib.suppress(OSError):  # its blocked reads and our blocked send both end
+                socket.socket(fileno=os.dup(self.conn.fileno())).shutdown(socket.SHUT_RDWR)
+            self._lose()
+            return
         self.outbox.put(message)
+
+    def close(self) -> None:
+        self.lost = True
+        self.outbox.put(_CLOSE)
+
+    def _lose(self) -> None:
+        if self.on_lost is None:
+            os._exit(0)  # the only API server is gone: nobody is left to serve
+        if not self.lost:
+            self.lost = True
+            self.on_lost(self.index)
 
     def flush(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -74,25 +112,29 @@ class _Writer(threading.Thread):
 
 
 class _Reader(threading.Thread):
-    def __init__(self, conn):
-        super().__init__(name="lockstep-core-reader", daemon=True)
+    """Turns API server pipes into one inbox of (API server index, message); a closed pipe reads as that
+    server's `Shutdown`. The grammar worker puts requests back with index None (their owner is known)."""
+
+    def __init__(self, conn, index: int = 0, inbox: queue.Queue | None = None):
+        super().__init__(name=f"lockstep-core-reader-{index}", daemon=True)
         self.conn = conn
-        self.inbox: queue.Queue = queue.Queue()
+        self.index = index
+        self.inbox: queue.Queue = queue.Queue() if inbox is None else inbox
 
     def run(self) -> None:
         while True:
             try:
                 message = self.conn.recv()
-            except (OSError, EOFError):  # the API server closed its end or died: shut down
-                self.inbox.put(p.Shutdown())
+            except (OSError, EOFError):  # the API server closed its end or died
+                self.inbox.put((self.index, p.Shutdown()))
                 return
-            self.inbox.put(message)
+            self.inbox.put((self.index, message))
 
 
 class CoreLoop:
-    def __init__(self, core, writer: _Writer, reader: _Reader, seed: int):
+    def __init__(self, core, writer: ClientRouter, reader: _Reader, seed: int):
         self.core = core
-        self.writer = writer
+        self.writer = writer  # where messages go: to the API server that owns the request, or to all
         self.reader = reader
         self.progress_at = time.monotonic()
         self.stats_snapshot = p.EngineStats()
@@ -105,9 +147,12 @@ class CoreLoop:
         self._stopping = False
 
     # ---- messages ---------------------------------------------------------------------------
-    def _handle(self, message, in_window: bool) -> None:
+    def _handle(self, client: int | None, message, in_window: bool) -> None:
         if isinstance(message, p.AddRequest):
-            if in_window:
+            if client is not None and not self.writer.own(message.request_id, client):
+                self.writer.send_to(client, p.RequestFailed(message.request_id, f"request_id="
+                                                            f"{message.request_id!r} is already in use"))
+            elif in_window:
                 self._deferred.append(message)
             else:
                 self._add(message)
@@ -125,6 +170,19 @@ class CoreLoop:
                 self.core.fail_request(message.request_id, "applying its stop string")
             self._send_failures()
         elif isinstance(message, p.Shutdown):
+            self._remove_client(client)
+
+    def _remove_client(self, client: int) -> None:
+        """An API server left: its requests are aborted (blocks freed), their outputs dropped; the core
+        stops when no API server is left."""
+        gone = set(self.writer.remove(client))
+        for request_id in gone:
+            self._abort_compiling(request_id)
+            self.core.abort_request(request_id)
+        self._deferred = [message for message in self._deferred if message.request_id not in gone]
+        if gone:
+            log(f"API server {client} left: {len(gone)} of its requests aborted")
+        if not self.writer.live:
             self._stopping = True
 
     def _add(self, message: p.AddRequest) -> None:
@@ -164,7 +222,7 @@ class CoreLoop:
             future = prepare(spec)
             if not future.done():
                 self._compiling[message.request_id] = future
-                future.add_done_callback(lambda _: self.reader.inbox.put(message))
+                future.add_done_callback(lambda _: self.reader.inbox.put((None, message)))
                 return _COMPILING
         return future.result()
 
@@ -175,13 +233,13 @@ class CoreLoop:
 
     def _drain(self, block: bool, in_window: bool) -> None:
         try:
-            message = self.reader.inbox.get(timeout=IDLE_WAIT_S) if block else self.reader.inbox.get_nowait()
+            client, message = self.reader.inbox.get(timeout=IDLE_WAIT_S) if block else self.reader.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            self._handle(message, in_window)
+            self._handle(client, message, in_window)
             try:
-                message = self.reader.inbox.get_nowait()
+                client, message = self.reader.inbox.get_nowait()
             except queue.Empty:
                 return
 
@@ -238,6 +296,12 @@ class CoreLoop:
                 if timings is not None:
                     self.metrics.record_window(self.core.take_stats(), timings)
             self._publish_stats()
+            self.writer.prune(self._known_ids())
+
+    def _known_ids(self):
+        """Whether the core still knows a request id: running or waiting, compiling its grammar, or deferred."""
+        deferred = {message.request_id for message in self._deferred}
+        return lambda rid: rid in self.core.requests or rid in self._compiling or rid in deferred
 
 
 def _build_core(config: EngineConfig):
@@ -258,22 +322,39 @@ def _build_core(config: EngineConfig):
 
 
 def run_engine_core(config, requests_conn, outputs_conn) -> None:
-    """Process entry point (multiprocessing 'spawn'); `config` is an `EngineConfig`."""
-    reader = _Reader(requests_conn)
-    loop = CoreLoop(None, None, reader, config.seed)
-    writer = _Writer(outputs_conn, loop)
-    loop.writer = writer
-    writer.start()
+    """Process entry point (multiprocessing 'spawn') for one API server, its parent; `config` is an
+    `EngineConfig`. The core stops when the API server closes its pipe, and exits when it cannot write to it."""
+    _serve(config, [(requests_conn, outputs_conn)])
+
+
+def run_engine_core_for_api_servers(config, conns: list) -> None:
+    """Process entry point for `lockstep serve --api-server-count N`: one duplex pipe per API server. A
+    terminal's Ctrl-C reaches every process of the group; the supervisor stops the API servers, and the core
+    stops when the last of them has left."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _serve(config, [(conn, conn) for conn in conns])
+
+
+def _serve(config, pipes: list[tuple]) -> None:
+    inbox: queue.Queue = queue.Queue()
+    readers = [_Reader(recv, index, inbox) for index, (recv, _) in enumerate(pipes)]
+    loop = CoreLoop(None, None, readers[0], config.seed)
+    writers = [_Writer(send, loop, index, None if len(pipes) == 1 else _lost(inbox))
+               for index, (_, send) in enumerate(pipes)]
+    writer = loop.writer = ClientRouter(writers)
+    for each in writers:
+        each.start()
     try:
         core, tokenizer, has_guides = _build_core(config)
-    except Exception as error:  # anything at load time: report it, the API server exits non-zero
+    except Exception as error:  # anything at load time: report it, the API servers exit non-zero
         writer.send(p.CoreFailed(f"loading {config.model!r} failed: {error}"))
         writer.flush(5.0)
         if not isinstance(error, ValueError):  # a bad source, flag or limit is the user's: its message says it all
             traceback.print_exc()
         sys.exit(1)
     loop.core = core
-    reader.start()
+    for reader in readers:
+        reader.start()
     executor = core.executor
     writer.send(p.CoreReady(pid=os.getpid(), max_model_len=core.config.max_model_len,
                             num_blocks=core.blocks.num_blocks, block_size=core.config.block_size,
@@ -292,3 +373,7 @@ def run_engine_core(config, requests_conn, outputs_conn) -> None:
     core.executor.shutdown()
     writer.flush(5.0)
 
+
+def _lost(inbox: queue.Queue):
+    """An API server that cannot be written to leaves as if it had closed its pipe."""
+    return lambda index: inbox.put((index, p.Shutdown()))

@@ -12,7 +12,7 @@ Two halves, one per process of `lockstep serve`:
   writes the engine's /metrics text at scrape time: its own state, the latest core snapshot and the
   scheduler gauges (`lockstep_*` plus vLLM's routing names).
 
-Names, labels and buckets come from `lockstep.metrics_names` (docs/ARCHITECTURE.md).
+Names, labels and buckets come from `lockstep_common.metrics_names` (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -317,8 +317,15 @@ class ServerMetrics:
         self.series.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
 
     # ---- scrape -----------------------------------------------------------------------------
-    def render(self) -> str:
-        """The Prometheus text exposition of every engine series.
+    def api_state(self) -> tuple[dict, dict]:
+        """The series this API server observed itself (not the core's): counters, and histograms as (per-bucket
+        counts, sum); what another API server of the same engine adds to its own in `render` (api/peers.py)."""
+        return ({name: dict(values) for name, values in self.series.counters.items()},
+                {name: {key: b.state() for key, b in values.items()} for name, values in self.series.histograms.items()})
+
+    def render(self, peers: list[tuple[dict, dict]] = ()) -> str:
+        """The Prometheus text exposition of every engine series; `peers`: the `api_state` of the other API
+        servers of this engine, added to this one's.
 
         Written directly, not through prometheus_client's metric families: a busy engine exports ~450
         samples, the family objects cost ~10x the formatting, and a picker may scrape every 50 ms.
@@ -337,6 +344,8 @@ class ServerMetrics:
             histograms.setdefault(name, {}).update({k: b.state() for k, b in values.items()})
         for name, values in self.series.counters.items():
             counters.setdefault(name, {}).update(values)
+        for peer_counters, peer_histograms in peers:
+            _add_state(counters, histograms, peer_counters, peer_histograms)
         attached = self.ready is not None
         for name, spec in self.specs.items():
             out.append(self._header(name, spec.help, spec.kind))
@@ -462,6 +471,22 @@ class ServerMetrics:
 
 
 _ENGINE = (v.ENGINE_INDEX,)  # the label values of vLLM's engine series after model_name
+
+
+def _add_state(counters: dict, histograms: dict, more_counters: dict, more_histograms: dict) -> None:
+    """Adds another API server's series to these (new tuples: the core snapshot's lists stay as they are)."""
+    for name, values in more_counters.items():
+        into = counters.setdefault(name, {})
+        for key, value in values.items():
+            into[key] = into.get(key, 0.0) + value
+    for name, values in more_histograms.items():
+        into = histograms.setdefault(name, {})
+        for key, (counts, total) in values.items():
+            mine = into.get(key)
+            if mine is None:
+                into[key] = (list(counts), total)
+            elif len(mine[0]) == len(counts):
+                into[key] = ([a + b for a, b in zip(mine[0], counts)], mine[1] + total)
 
 
 def _escape(value: str) -> str:

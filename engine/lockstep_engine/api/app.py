@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from lockstep_engine import __version__
-from lockstep_engine.api import anthropic, metrics, responses
+from lockstep_engine.api import anthropic, error_messages, metrics, responses
 from lockstep_engine.api import tokenize as token_routes
 from lockstep_engine.api.body_text import undecodable_text
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
@@ -34,10 +34,10 @@ from lockstep_engine.api.errors import (
     error_body,
     error_response,
     refused_unstarted,
-    route_not_found,
 )
 from lockstep_common.large_body import LARGE_BODY_BYTES, LargeBodyReader
 from lockstep_engine.api.large_body import body_limits
+from lockstep_engine.api.peers import ApiServerGroup, Peers
 from lockstep_engine.api.openai_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -84,6 +84,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # --reasoning-parser: <think> text apart from the answer (api/reasoning.py)
     gpu_memory_utilization: float | None = None  # when given: on the CPU it is ignored, and the log says so
     defaults: ServerDefaults = field(default_factory=ServerDefaults)  # chat template, role, sampling defaults
+    group: ApiServerGroup | None = None  # one of several API servers of one engine core (--api-server-count)
 
 
 class ServerState:
@@ -103,6 +104,14 @@ class ServerState:
         self.on_fatal = None  # set by serve.py: called when the model cannot be loaded
         self._loader: asyncio.Task | None = None
         self.large_bodies = LargeBodyReader()
+        self.peers: Peers | None = None  # the other API servers of this engine (--api-server-count)
+        # This server's share of the engine's admission limits: with N API servers each admits 1/N of them
+        # (the kernel spreads connections over the servers), so the sums keep the flags' meaning.
+        count = settings.group.count if settings.group is not None else 1
+        self.num_seats = -(-engine_config.max_num_seqs // count)
+        self.max_queued_memory_bytes = settings.max_queued_memory_bytes // count
+        queued = settings.max_queued_requests
+        self.max_requests = None if queued is None else self.num_seats + -(-queued // count)
 
     # ---- startup ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -112,9 +121,9 @@ class ServerState:
     async def _load(self) -> None:
         """The core resolves and loads the model, then sends its config and tokenizer over."""
         try:
-            queued = self.settings.max_queued_requests
-            client = EngineCoreClient(self.engine_config, self.settings.core_timeouts,
-                                      None if queued is None else self.engine_config.max_num_seqs + queued)
+            group = self.settings.group
+            client = EngineCoreClient(self.engine_config, self.settings.core_timeouts, self.max_requests,
+                                      core_conn=group.core_conn if group is not None else None)
             client.on_dead = self._core_died
             self.client = client
             await client.start()
@@ -134,6 +143,9 @@ class ServerState:
         self.serving.defaults = self.settings.defaults
         self.serving.trust_request_chat_template = self.settings.trust_request_chat_template
         self.collector = metrics.register_engine(client, self.settings.served_model_names[0])
+        if self.settings.group is not None:
+            self.peers = Peers(self.settings.group, metrics.api_state)
+            self.peers.start()
         if ready.device == "cpu" and self.settings.gpu_memory_utilization is not None:
             log(f"warning: --gpu-memory-utilization {self.settings.gpu_memory_utilization} is ignored on the CPU: "
                 f"the KV cache there is --kv-cache-memory-bytes (default 2 GiB)")
@@ -149,6 +161,8 @@ class ServerState:
     async def stop(self) -> None:
         if self._loader is not None and not self._loader.done():
             self._loader.cancel()
+        if self.peers is not None:
+            self.peers.stop()
         if self.collector is not None:
             metrics.unregister(self.collector)
         if self.serving is not None and self.serving.large_text is not None:
@@ -170,6 +184,13 @@ class ServerState:
         if not self.client.is_healthy:
             return f"the engine core is not available: {self.client.dead_reason}"
         return None
+
+    def health_reason(self) -> str | None:
+        """Why /health says 503: this server's reason, or another API server of this engine not serving."""
+        reason = self.unavailable_reason()
+        if reason is None and self.peers is not None and not self.peers.all_ready():
+            return f"not every one of the {self.peers.group.count} API servers is ready"
+        return reason
 
     def require_serving(self) -> OpenAIServing:
         reason = self.unavailable_reason()
@@ -193,8 +214,8 @@ class ServerState:
     def admits(self, held_bytes: int) -> bool:
         """The running batch's seats are always open; past them, requests wait while what they hold fits
         in --max-queued-memory-bytes."""
-        return (self.in_flight < self.engine_config.max_num_seqs
-                or self.held_bytes + held_bytes <= self.settings.max_queued_memory_bytes)
+        return (self.in_flight < self.num_seats
+                or self.held_bytes + held_bytes <= self.max_queued_memory_bytes)
 
     def enter(self, held_bytes: int = 0) -> None:
         self.in_flight += 1
@@ -282,7 +303,9 @@ class GuardMiddleware:
             return await error_response(
                 503, f"the {self.state.in_flight} requests in this engine hold {self.state.held_bytes >> 20} MiB, and "
                      f"the limit for requests waiting beyond --max-num-seqs is "
-                     f"{settings.max_queued_memory_bytes >> 20} MiB (--max-queued-memory-bytes); retry later", None,
+                     f"{self.state.max_queued_memory_bytes >> 20} MiB (--max-queued-memory-bytes"
+                     f"{'' if settings.group is None else f' over {settings.group.count} API servers'}); retry later",
+                None,
                 {**RETRYABLE, "Retry-After": "1"})(scope, receive, send)
         self.state.enter(held)
         try:
@@ -341,7 +364,7 @@ async def _read_body(scope, receive, limit: int) -> tuple[bytes, bool]:
 def health_response(state: ServerState) -> Response:
     """`/health`: 200 when requests can be served, else 503 with the reason. Also built off the event loop
     (`probe_answer`), so it only reads `state`."""
-    reason = state.unavailable_reason()
+    reason = state.health_reason()
     return Response(status_code=200) if reason is None else error_response(503, reason)
 
 
@@ -351,30 +374,6 @@ def probe_answer(state: ServerState) -> tuple[int, list[tuple[bytes, bytes]], by
     reads is one atomic read under the GIL, and a stale one is the answer of 50 ms before."""
     response = health_response(state)
     return response.status_code, response.raw_headers, response.body
-
-
-def http_error_message(request: Request, status: int, detail: str, headers: dict | None) -> str:
-    """Routing's own 404 and 405 in words a client can act on."""
-    if status == 404 and detail == "Not Found":
-        return route_not_found(request.method, request.url.path)
-    if status == 405 and headers and "Allow" in headers:
-        return f"{request.method} is not allowed on {request.url.path}: allowed {headers['Allow']}"
-    return detail
-
-
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    lines, param = [], None
-    if errors and errors[0].get("type") == "json_invalid":  # loc holds a byte offset, not a field
-        offset = errors[0].get("loc", (None, None))[-1]
-        reason = (errors[0].get("ctx") or {}).get("error") or errors[0].get("msg", "invalid")
-        return f"the request body is not valid JSON: {reason} (at byte {offset})", None
-    for error in errors[:10]:
-        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-        where = ".".join(loc) or "body"
-        param = param or (".".join(loc) if loc else None)
-        lines.append(f"{where}: {error.get('msg', 'invalid')}")
-    count = len(errors)
-    return f"{count} validation error{'s' if count != 1 else ''}: " + "; ".join(lines), param
 
 
 def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
@@ -407,13 +406,13 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc.errors())
+        message, param = error_messages.validation_message(exc.errors())
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         headers = getattr(exc, "headers", None)
-        return error(request, exc.status_code, http_error_message(request, exc.status_code, str(exc.detail), headers),
+        return error(request, exc.status_code, error_messages.http_error_message(request, exc.status_code, str(exc.detail), headers),
                      None, headers)
 
     @app.exception_handler(Exception)
@@ -435,7 +434,8 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+        peers = await asyncio.to_thread(state.peers.others) if state.peers is not None else ()
+        return Response(metrics.render(peers), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
     async def models():

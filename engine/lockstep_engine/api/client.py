@@ -6,6 +6,10 @@ the engine's `OutputProcessor`; a stop string found here is sent back so the cor
 A reader thread blocks on the pipe so the event loop never does; a watchdog marks the core dead when
 its process exits, its heartbeat stops, or its loop stops making progress, and every request in
 flight then ends with an error instead of hanging.
+
+With `--api-server-count N` the supervisor (entrypoints/api_servers.py) spawns the core and gives each
+API server one end of a duplex pipe to it (`core_conn`): nothing is spawned here, the core's death reads as
+the end of that pipe (or a silent heartbeat), and `shutdown` only says that this API server leaves.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import multiprocessing
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lockstep_engine import protocol as p
@@ -56,15 +61,23 @@ class Generation:
     updated: asyncio.Event = field(default_factory=asyncio.Event)
     error: Exception | None = None
     last_emitted_at: float = 0.0  # StepOutputs.emitted_at of the latest update (for latency metrics)
+    engine_output_at: Callable[[], float] | None = None  # when the engine last sent tokens for any request
 
     @property
     def finished(self) -> bool:
         return all(state.finished for state in self.states)
 
     async def wait(self, timeout_s: float) -> None:
-        """Waits for news (tokens, a finish or an error); raises on an error or a timeout."""
-        if self.error is None and not self.finished:
-            await asyncio.wait_for(self.updated.wait(), timeout_s)
+        """Waits for news (tokens, a finish or an error); raises on an error or a timeout. The timeout
+        counts the engine's silence, not this request's: while the engine sends tokens for others (this
+        request waits in its queue, or was preempted back to it), the wait goes on."""
+        while self.error is None and not self.finished:
+            try:
+                await asyncio.wait_for(self.updated.wait(), timeout_s)
+                break
+            except asyncio.TimeoutError:
+                if self.engine_output_at is None or time.monotonic() - self.engine_output_at() >= timeout_s:
+                    raise
         self.updated.clear()
         if self.error is not None:
             raise self.error
@@ -86,7 +99,8 @@ class CoreTimeouts:
 
 
 class EngineCoreClient:
-    def __init__(self, config, timeouts: CoreTimeouts | None = None, max_requests: int | None = None):
+    def __init__(self, config, timeouts: CoreTimeouts | None = None, max_requests: int | None = None,
+                 core_conn=None):
         self.config = config  # EngineConfig as given; the core resolves it against the model
         self.timeouts = timeouts or CoreTimeouts()
         self.max_requests = max_requests  # core requests in flight (running + waiting); None: unbounded
@@ -101,7 +115,9 @@ class EngineCoreClient:
         self._ready_event: asyncio.Event | None = None
         self._last_heard = 0.0
         self._loop_progress_at = 0.0
+        self._last_output_at = 0.0  # monotonic time the latest StepOutputs arrived
         self._process = None
+        self._core_conn = core_conn  # a core shared with other API servers: the supervisor started it
         self._send_conn = None
         # A sender thread writes to the pipe, so a core that stopped reading blocks it, not the event loop.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -113,6 +129,9 @@ class EngineCoreClient:
         """Spawns the core process; returns at once (`wait_ready` waits for the model)."""
         self._loop = asyncio.get_running_loop()
         self._ready_event = asyncio.Event()
+        if self._core_conn is not None:
+            self._attach(self._core_conn, self._core_conn)
+            return
         ctx = multiprocessing.get_context("spawn")
         to_core_recv, to_core_send = ctx.Pipe(duplex=False)
         from_core_recv, from_core_send = ctx.Pipe(duplex=False)
@@ -123,10 +142,13 @@ class EngineCoreClient:
         # Close our copies of the child's ends, so a dead child reads as EOF here.
         to_core_recv.close()
         from_core_send.close()
-        self._send_conn = to_core_send
+        self._attach(from_core_recv, to_core_send)
+
+    def _attach(self, recv_conn, send_conn) -> None:
+        self._send_conn = send_conn
         self._last_heard = self._loop_progress_at = time.monotonic()
-        threading.Thread(target=self._read, args=(from_core_recv,), name="lockstep-core-reader", daemon=True).start()
-        threading.Thread(target=self._write, args=(to_core_send,), name="lockstep-core-writer", daemon=True).start()
+        threading.Thread(target=self._read, args=(recv_conn,), name="lockstep-core-reader", daemon=True).start()
+        threading.Thread(target=self._write, args=(send_conn,), name="lockstep-core-writer", daemon=True).start()
         self._watchdog = asyncio.create_task(self._watch())
 
     async def wait_ready(self) -> p.CoreReady:
@@ -141,7 +163,9 @@ class EngineCoreClient:
 
     @property
     def core_pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        if self._process is not None:
+            return self._process.pid
+        return self.ready.pid if self.ready is not None else None
 
     @property
     def is_healthy(self) -> bool:
@@ -154,6 +178,12 @@ class EngineCoreClient:
             self._watchdog.cancel()
         process = self._process
         if process is None:
+            if self._send_conn is not None and self.dead_reason is None:
+                self._send(p.Shutdown())  # this API server leaves; the core goes on for the others
+                deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+                while not self._outbox.empty() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+            self._fail_all(EngineDeadError("the server is shutting down"))
             return
         if self.dead_reason is None:
             self._send(p.Shutdown())
@@ -188,7 +218,7 @@ class EngineCoreClient:
         sampling = params.to_dict()
         states = [self.processor.add_request(rid, text, ids, params)
                   for rid, ids, text in zip(request_ids, prompts, prompt_texts)]
-        generation = Generation(list(request_ids), states)
+        generation = Generation(list(request_ids), states, engine_output_at=lambda: self._last_output_at)
         now = time.monotonic()
         for rid, ids in zip(request_ids, prompts):
             self._generations[rid] = generation
@@ -248,6 +278,7 @@ class EngineCoreClient:
             if message.batch is not None:
                 message.batch = self._columns.restore(message.batch)
             self._loop_progress_at = max(self._loop_progress_at, message.emitted_at)
+            self._last_output_at = received_at
             metrics.observe_output_ipc(received_at - message.emitted_at)
             started = time.perf_counter()
             self._on_outputs(message)
@@ -303,7 +334,7 @@ class EngineCoreClient:
         while self.dead_reason is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             now = time.monotonic()
-            if not self._process.is_alive():
+            if self._process is not None and not self._process.is_alive():
                 self._mark_dead(f"the engine core process exited with code {self._process.exitcode}")
             elif self.ready is None:
                 continue  # loading: the startup timeout applies

@@ -4,13 +4,15 @@
 snapshots, request latencies and token counts observed here, scheduler gauges, and vLLM's routing
 names with vLLM's `model_name` label); this module holds it, a registry for the API server's own
 histograms, and the few hooks the API server calls. Everything is rendered from state at scrape time.
+With several API servers (`--api-server-count`), `api_state` is what each shares and `render` adds the
+others' to its own (api/peers.py).
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, Metric, generate_latest
 
 from lockstep_engine.metrics import ServerMetrics
 
@@ -66,5 +68,41 @@ def unregister(collector: ServerMetrics) -> None:
     collector.detach()
 
 
-def render() -> bytes:
-    return ENGINE.render().encode() + generate_latest(REGISTRY)
+def api_state() -> tuple:
+    """This API server's own series (picklable): the engine collector's and this registry's samples."""
+    samples = [(metric.name, metric.documentation, metric.type,
+                [(sample.name, sample.labels, sample.value) for sample in metric.samples])
+               for metric in REGISTRY.collect()]
+    return ENGINE.api_state(), samples
+
+
+def render(peers: list[tuple] = ()) -> bytes:
+    """/metrics; `peers`: the other API servers' `api_state`, summed into this one's."""
+    engine = ENGINE.render([state for state, _ in peers]).encode()
+    if not peers:
+        return engine + generate_latest(REGISTRY)
+    return engine + generate_latest(_Summed([api_state()[1], *(samples for _, samples in peers)]))
+
+
+class _Summed:
+    """A registry of this registry's families with every sample summed over API servers (a `_created`
+    timestamp is the earliest, not a sum)."""
+
+    def __init__(self, servers: list[list]):
+        self.servers = servers
+
+    def collect(self):
+        for name, documentation, kind, _ in self.servers[0]:
+            metric = Metric(name, documentation, kind)
+            values: dict[tuple, float] = {}
+            for families in self.servers:
+                for sample_name, labels, value in next((f[3] for f in families if f[0] == name), []):
+                    key = (sample_name, tuple(sorted(labels.items())))
+                    earlier = values.get(key)
+                    if earlier is None:
+                        values[key] = value
+                    else:
+                        values[key] = min(earlier, value) if sample_name.endswith("_created") else earlier + value
+            for (sample_name, labels), value in values.items():
+                metric.add_sample(sample_name, dict(labels), value)
+            yield metric

@@ -7,6 +7,9 @@ answers `/health` itself, so probes never wait for a busy event loop, and passes
 SIGTERM (or Ctrl-C) drains: `/health` and new requests get 503, requests in flight finish within
 `--shutdown-grace-period` (then they are aborted), the engine core stops, and the exit code is 0.
 A second signal exits at once.
+
+`--api-server-count N` (N > 1) runs N API-server processes on the one port, all feeding one engine core
+(entrypoints/api_servers.py supervises them; docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -67,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds an idle keep-alive connection stays open")
     server.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     server.add_argument("--request-idle-timeout", type=float, default=600.0,
-                        help="seconds a request may wait for its next token before it fails")
+                        help="seconds the engine may send no token to any request while a request waits "
+                             "for its next one; then the request fails (waiting in a busy engine's queue is "
+                             "not idle)")
     server.add_argument("--shutdown-grace-period", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     server.add_argument("--engine-start-timeout", type=float, default=1800.0,
@@ -77,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "and the server exits")
     server.add_argument("--engine-stall-timeout", type=float, default=300.0,
                         help="seconds without a finished step before the engine loop counts as stuck")
+    server.add_argument("--api-server-count", type=int, default=1,
+                        help="API-server processes (HTTP, tokenization, streaming) serving the port, all feeding the "
+                             "one engine core; the admission limits are split evenly between them")
+    # Set by the supervisor of --api-server-count N for each API server it starts.
+    server.add_argument("--api-server-index", type=int, default=None, help=argparse.SUPPRESS)
+    server.add_argument("--engine-core-fd", type=int, default=None, help=argparse.SUPPRESS)
+    server.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     engine = parser.add_argument_group("engine (vLLM's names)")
@@ -190,6 +202,9 @@ def parse_args(argv: list[str]):
             parser.error(f"--api-key-file={args.api_key_file!r} cannot be read: {error}")
         if not args.api_key:
             parser.error(f"--api-key-file={args.api_key_file!r} is empty")
+    error = api_server_count_error(args)
+    if error is not None:
+        parser.error(error)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic)")
     settings = ServerSettings(
@@ -213,6 +228,19 @@ def parse_args(argv: list[str]):
     return args, config, settings
 
 
+def api_server_count_error(args: argparse.Namespace) -> str | None:
+    """Why `--api-server-count` cannot be used with these flags; None when it can."""
+    count = args.api_server_count
+    if count < 1:
+        return f"--api-server-count={count} is out of range: allowed >= 1"
+    if count > 1 and args.uds:
+        return (f"--api-server-count={count} cannot be used with --uds: several API servers share a TCP port "
+                f"(SO_REUSEPORT); use --api-server-count 1 with a Unix socket")
+    if args.api_server_index is not None and not 0 <= args.api_server_index < count:
+        return f"--api-server-index={args.api_server_index} is out of range: allowed 0..{count - 1}"
+    return None
+
+
 def port_taken(host: str, port: int) -> str | None:
     """Why `host:port` cannot be listened on, checked before the model loads; None when it can."""
     try:
@@ -230,8 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     from lockstep_engine.api.http_limits import header_timeout_protocol
     from lockstep_engine.log import log
 
-    args, config, settings = parse_args(list(sys.argv[1:] if argv is None else argv))
-    taken = None if args.uds else port_taken(args.host, args.port)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, config, settings = parse_args(argv)
+    if args.api_server_count > 1 and args.api_server_index is None:
+        from lockstep_engine.entrypoints.api_servers import supervise
+
+        return supervise(argv, args.host, args.port, args.api_server_count, config, args.shutdown_grace_period)
+    if args.api_server_index is not None:
+        from lockstep_engine.entrypoints.api_servers import api_server_group
+
+        settings.group = api_server_group(args.api_server_index, args.api_server_count, args.run_dir,
+                                          args.engine_core_fd)
+    taken = None if args.uds or settings.group is not None else port_taken(args.host, args.port)
     if taken is not None:
         log(f"error: --port {args.port}: cannot listen on {args.host}: {taken} (is the port taken?)")
         return 1
@@ -262,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             return probe_answer(state)
 
         def handle_exit(self, sig, frame):
+            if sig == signal.SIGINT and settings.group is not None:
+                return  # a terminal's Ctrl-C: the supervisor passes it on as SIGTERM
             if self._drain_task is not None or not self.started:
                 self.should_exit = True
                 self.force_exit = self._drain_task is not None
@@ -284,6 +324,15 @@ def main(argv: list[str] | None = None) -> int:
                                timeout_keep_alive=args.keep_alive_timeout, backlog=4096,  # bursts of connections
                                **vllm_flags.uvicorn_options(args))
     server = DrainingServer(uv_config)
+    if settings.group is not None:
+        from lockstep_common.sockets import bind_sockets, die_with_parent
+
+        die_with_parent()
+        try:
+            server.prebound = bind_sockets(args.host, args.port, uv_config.backlog, reuse_port=True)
+        except OSError as error:
+            log(f"error: --port {args.port}: cannot listen on {args.host}: {error}")
+            return 1
 
     def on_fatal(message: str) -> None:
         server.exit_code = 1
@@ -291,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
 
     state.on_fatal = on_fatal
     where = f"unix:{args.uds}" if args.uds else f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
-    log(f"serving {config.model!r} as {settings.served_model_names} on {where}{args.root_path or ''} "
+    who = "" if settings.group is None else f"API server {settings.group.index}: "
+    log(f"{who}serving {config.model!r} as {settings.served_model_names} on {where}{args.root_path or ''} "
         f"(num_scheduler_steps={config.num_scheduler_steps})")
     server.run()
     if server.exit_code == 0 and not server.started:

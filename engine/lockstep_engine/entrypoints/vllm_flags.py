@@ -113,7 +113,7 @@ FLAGS: tuple[Flag, ...] = (
     _s("--h11-max-incomplete-event-size", "uvicorn's h11 limit on an incomplete header or body event"),
     _n("--h11-max-header-count", "uvicorn's h11 has no header-count limit to set"),
     _r("--headless", _ONE_ENGINE, "bool"),
-    _r("--api-server-count", "one API-server process per engine", accepted=("1",)),
+    _s("--api-server-count", "API-server processes on the one port, feeding the one engine core"),
     _r("--grpc", "only the HTTP OpenAI-compatible server", "bool"),
     _n("--enable-log-requests", "requests are never logged", "bool_optional", ("False",)),
     _n("--disable-log-requests", "requests are never logged", "bool_optional", ("True",)),
