@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lockstep_common.max_tokens import requested_max_tokens
+
 
 @dataclass
 class TokenBucket:
@@ -138,11 +140,7 @@ def prompt_lengths(body: dict) -> list[int]:
 
 def estimate_tokens(body: dict, max_model_len: int | None = None) -> int:
     """(prompt + min(max_tokens, what the context leaves)) per prompt, times `n`."""
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_output_tokens")  # /v1/responses
+    max_tokens = requested_max_tokens(body)
     if not _is_int(max_tokens):
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None or max_model_len is None else max_model_len
     n = body.get("n")

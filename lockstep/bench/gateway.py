@@ -32,6 +32,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from lockstep_common.processes import stop_processes
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # /proc counts CPU in clock ticks (10 ms at the usual 100 Hz): a figure resting on fewer ticks than this is
 # quantisation noise (one tick either way is 10% at 10), so it is reported as unmeasured rather than as a number
@@ -264,13 +266,7 @@ def wait_ready(port: int, path: bytes, timeout_s: float, process: subprocess.Pop
 
 
 def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_processes([process], timeout_s=15)
 
 
 # ---- one run --------------------------------------------------------------------------------------------------

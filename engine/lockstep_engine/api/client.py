@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lockstep_common.processes import stop_processes
 from lockstep_engine import protocol as p
 from lockstep_engine.api import core_launch, metrics
 from lockstep_engine.log import log
@@ -193,12 +194,7 @@ class EngineCoreClient:
         elif process.is_alive():  # stuck or frozen (SIGSTOP): it cannot shut down by itself
             process.kill()
             process.join(5.0)
-        if process.is_alive():
-            process.terminate()
-            process.join(5.0)
-        if process.is_alive():
-            process.kill()
-            process.join(5.0)
+        stop_processes([process], timeout_s=5.0)
         self._fail_all(EngineDeadError("the server is shutting down"))
         if self._send_conn is not None:
             self._send_conn.close()

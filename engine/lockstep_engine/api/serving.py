@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from lockstep_common.max_tokens import requested_max_tokens
 from lockstep_engine.protocol import TokenLogprobs
 from lockstep_engine.api import extras, metrics, reasoning, structured, tools
 from lockstep_engine.api.client import EngineBusyError, EngineCoreClient, EngineDeadError, Generation, RequestRejected
@@ -344,7 +345,7 @@ class OpenAIServing:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         prompt = await asyncio.to_thread(self.chat_prompt, body.messages, body.add_generation_prompt is not False,
                                          bool(body.continue_final_message), self.request_template_kwargs(body))
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = requested_max_tokens(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         constraint = self.guided_constraint(body)
         params = self.sampling_params(body, max_tokens, logprobs, constraint)

@@ -16,12 +16,10 @@ its proof, and the leader its verdict; a rank that fails is refused by name on b
 from __future__ import annotations
 
 import atexit
-import ctypes
 import hmac
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lockstep_common.processes import stop_processes
+from lockstep_common.sockets import die_with_parent
 from lockstep_engine.config import ConfigError, EngineConfig
 from lockstep_engine.group.channel import (SECRET_ENV, SECRET_FILE_ENV, GroupChannel, channel_key, hello_proof,
                                            verdict_proof)
@@ -198,11 +198,6 @@ def exit_rank(code: int) -> None:
     os._exit(code)
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphaned workers
-
-
 def spawn_local_workers(config: EngineConfig, port: int, secret: bytes) -> list[subprocess.Popen]:
     """Starts ranks 1..W-1 on this host, as `lockstep worker` processes that hold the leader's secret
     (in their environment: readable only by this user)."""
@@ -214,20 +209,13 @@ def spawn_local_workers(config: EngineConfig, port: int, secret: bytes) -> list[
         env.pop(SECRET_FILE_ENV, None)
         env[SECRET_ENV] = secret.decode()
         workers.append(subprocess.Popen([sys.executable, "-m", "lockstep.cli", "worker"], env=env,
-                                        preexec_fn=_die_with_parent))
+                                        preexec_fn=die_with_parent))  # no orphaned workers
     atexit.register(stop_workers, workers)
     return workers
 
 
 def stop_workers(workers: list[subprocess.Popen]) -> None:
-    for worker in workers:
-        if worker.poll() is None:
-            worker.terminate()
-    for worker in workers:
-        try:
-            worker.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+    stop_processes(workers, timeout_s=10)
 
 
 def listen_on_loopback() -> socket.socket:
