@@ -8,6 +8,7 @@ import contextlib
 import logging
 import sys
 
+from lockstep_common.argparsing import ArgumentParser
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import DEFAULT_ENGINE_IMAGE
 
@@ -15,8 +16,8 @@ log = logging.getLogger("lockstep_operator")
 
 
 def parse_args(argv: list[str]) -> OperatorConfig:
-    parser = argparse.ArgumentParser(
-        prog="lockstep operator", allow_abbrev=False,
+    parser = ArgumentParser(
+        prog="lockstep operator",
         description="Reconcile LLMService resources (serving.lockstep.dev/v1alpha1) into engine groups.",
     )
     parser.add_argument(
