@@ -53,9 +53,6 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     # ---- allocation -----------------------------------------------------------------------
     def _take_block(self) -> int:
         if self._free:
@@ -118,40 +115,20 @@ class BlockManager:
         self.prefix_cache_hits += seq.num_computed
         return seq.num_computed
 
-    def _shares_next_write(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether writing slots up to `num_tokens` starts in a shared, partly filled block (copy-on-write).
-
-        Only a fork shares a block that is written to (a prefix-cache hit shares full blocks, which no
-        sequence writes again), so only the blocks a sequence held when it forked are looked at."""
-        first_write = seq.num_computed // self.block_size
-        return (first_write < seq.num_forked_blocks and num_tokens > seq.num_computed
-                and self._blocks[seq.block_ids[first_write]].ref_count > 1)
-
-    def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks to take so that slots up to `num_tokens` are writable by this sequence alone."""
-        return max(self.blocks_for(num_tokens) - len(seq.block_ids), 0) + self._shares_next_write(seq, num_tokens)
-
-    def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_blocks_needed(seq, num_tokens) <= self.num_free_blocks
-
-    def reserve(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
-        """Makes slots [num_computed, num_tokens) writable; returns (src, dst) block copies to run first.
+    def try_reserve(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Makes slots [num_computed, num_tokens) writable; returns (src, dst) block copies to run first,
+        or None (and nothing changed) when too few blocks are free.
 
         This is the lookahead reservation of a multi-step window: every slot the window may write is
-        owned before the window starts, so the device never waits for the host mid-window.
+        owned before the window starts, so the device never waits for the host mid-window. A decoding
+        sequence needs a new block only every `block_size` tokens: most calls take nothing and return
+        at once.
         """
-        copies = self.try_reserve(seq, num_tokens)
-        if copies is None:
-            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs more KV blocks than are free")
-        return copies
-
-    def try_reserve(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
-        """`reserve`, or None (and nothing changed) when too few blocks are free. A decoding sequence
-        needs a new block only every `block_size` tokens: most calls take nothing and return at once."""
         size, held = self.block_size, len(seq.block_ids)
         num_new = -(-num_tokens // size) - held
-        # `_shares_next_write`, inlined: this runs for every row of every window, and a block looked up
-        # is a cache miss or two after a window's forward.
+        # Copy-on-write when the first slot to write lies in a shared, partly filled block. Only a fork
+        # shares a block that is written to (a prefix-cache hit shares full blocks, which no sequence
+        # writes again), so only the blocks the sequence held when it forked are looked at.
         first_write = seq.num_computed // size
         copy = (first_write < seq.num_forked_blocks and num_tokens > seq.num_computed
                 and self._blocks[seq.block_ids[first_write]].ref_count > 1)

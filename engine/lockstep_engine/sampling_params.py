@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lockstep_engine.config import ConfigError
@@ -79,7 +79,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     json_schema: dict | None = None  # guided decoding; None: unconstrained
     guided: dict | None = None  # a guided spec (guided_schema.GUIDED_KINDS); wins over json_schema
-    extra: dict = field(default_factory=dict)
     priority: int = 0  # scheduling_policy "priority": lower first (vLLM's request priority); ignored otherwise
 
     def __post_init__(self) -> None:

@@ -204,7 +204,6 @@ class KubernetesDiscovery:
         self.source = f"kubernetes:{namespace or '*'}"
         self.slices: dict[str, list[str]] = {}
         self.resource_version: str | None = None
-        self.num_lists = 0
 
     @property
     def path(self) -> str:
@@ -236,7 +235,6 @@ class KubernetesDiscovery:
         self.slices = {slice_key(item): slice_endpoints(item) for item in body.get("items", [])}
         self.models = {slice_key(item): model for item in body.get("items", []) if (model := slice_model(item))}
         self.resource_version = body["metadata"]["resourceVersion"]
-        self.num_lists += 1
         self._publish()
 
     async def _watch(self, client: httpx.AsyncClient) -> None:

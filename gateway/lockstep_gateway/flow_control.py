@@ -296,10 +296,6 @@ class FlowControl:
                 self.drains[model].emptied()
         self._on_depth(model, len(queue))
 
-    def dispatch_all(self) -> None:
-        for model in list(self.queues):
-            self.dispatch(model)
-
     def admission(self, model: str, priority: int, size: int) -> QueueRefused | None:
         """Whether a request of `priority` holding `size` bytes may join `model`'s queue: None, or the
         refusal with a Retry-After from the drain rate (`--retry-after` while none is measured)."""

@@ -1,8 +1,6 @@
 """BlockManager on plain Python data: reference counts, copy-on-write, prefix cache, eviction."""
 
-import pytest
-
-from lockstep_engine.block_manager import BlockManager, NoFreeBlocksError
+from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
 
@@ -15,7 +13,7 @@ def _seq(tokens, n=1, request_id="r"):
 def test_reserve_takes_lookahead_blocks_and_free_returns_them():
     blocks = BlockManager(num_blocks=8, block_size=4)
     seq = _seq(range(10))
-    assert blocks.reserve(seq, 10 + 7) == []  # prompt plus an 8-step window's lookahead
+    assert blocks.try_reserve(seq, 10 + 7) == []  # prompt plus an 8-step window's lookahead
     assert len(seq.block_ids) == 5 and blocks.num_free_blocks == 3
     blocks.free(seq)
     assert blocks.num_free_blocks == 8 and seq.block_ids == []
@@ -24,25 +22,23 @@ def test_reserve_takes_lookahead_blocks_and_free_returns_them():
 def test_reserve_fails_cleanly_when_blocks_run_out():
     blocks = BlockManager(num_blocks=2, block_size=4)
     seq = _seq(range(10))
-    assert not blocks.can_reserve(seq, 10)
-    with pytest.raises(NoFreeBlocksError):
-        blocks.reserve(seq, 10)
+    assert blocks.try_reserve(seq, 10) is None
     assert blocks.num_free_blocks == 2 and seq.block_ids == []
 
 
 def test_fork_shares_blocks_and_copies_on_write():
     blocks = BlockManager(num_blocks=8, block_size=4)
     parent = _seq(range(6), n=2)
-    blocks.reserve(parent, 6)
+    blocks.try_reserve(parent, 6)
     parent.num_computed = 5
     child = _seq(range(6), request_id="c")
     blocks.fork(parent, child)
     assert child.block_ids == parent.block_ids and blocks.num_free_blocks == 6
     # The child writes slot 5, inside the shared partial block 1: it gets its own copy.
-    copies = blocks.reserve(child, 6)
+    copies = blocks.try_reserve(child, 6)
     assert copies == [(parent.block_ids[1], child.block_ids[1])]
     assert child.block_ids[0] == parent.block_ids[0] and child.block_ids[1] != parent.block_ids[1]
-    assert blocks.reserve(parent, 6) == []  # now the parent owns its block alone
+    assert blocks.try_reserve(parent, 6) == []  # now the parent owns its block alone
     blocks.free(parent)
     blocks.free(child)
     assert blocks.num_free_blocks == 8
@@ -51,7 +47,7 @@ def test_fork_shares_blocks_and_copies_on_write():
 def test_prefix_cache_hits_full_blocks_and_always_leaves_a_token():
     blocks = BlockManager(num_blocks=8, block_size=4)
     first = _seq(range(12))
-    blocks.reserve(first, 12)
+    blocks.try_reserve(first, 12)
     first.num_computed = 12
     blocks.register_computed_blocks(first)
     blocks.free(first)
@@ -67,12 +63,12 @@ def test_prefix_cache_hits_full_blocks_and_always_leaves_a_token():
 def test_cached_blocks_are_evicted_least_recently_released_first():
     blocks = BlockManager(num_blocks=3, block_size=2)
     seq = _seq(range(6))
-    blocks.reserve(seq, 6)
+    blocks.try_reserve(seq, 6)
     seq.num_computed = 6
     blocks.register_computed_blocks(seq)
     blocks.free(seq)
     big = _seq(range(100, 106), request_id="big")
-    blocks.reserve(big, 6)  # needs every block: the cache is emptied
+    blocks.try_reserve(big, 6)  # needs every block: the cache is emptied
     assert blocks.num_free_blocks == 0
     blocks.free(big)
     assert blocks.allocate_cached_prefix(_seq(range(6), request_id="late")) == 0

@@ -330,7 +330,7 @@ def test_every_sampling_parameter_survives_the_wire():
                             stop_token_ids=[7, 9], max_tokens=5, min_tokens=1, presence_penalty=0.5,
                             frequency_penalty=-0.25, repetition_penalty=1.1, logprobs=3, ignore_eos=True,
                             logit_bias={5: 1.5, 1000: -100.0}, json_schema={"type": "object", "properties": {}},
-                            extra={"priority": 1})
+                            priority=1)
     request = Request("p", [1, 2, 3], params, MAX_MODEL_LEN, seed=2**63)
     plan = WindowPlan(rows=[ScheduledSeq(request.sequences[0], 2, False, 0, 0, 0)], num_steps=4)
     mirror = PlanDecoder().decode(PlanEncoder().encode(plan)).rows[0].seq.request
