@@ -13,6 +13,7 @@ from http import HTTPStatus
 
 from lockstep_common.argparsing import ArgumentParser, port_number
 from lockstep_common.errors import error_body
+from lockstep_common import logs
 from lockstep_common.sockets import bind_sockets, die_with_parent
 
 from lockstep_gateway.auth import read_key_file
@@ -201,7 +202,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
 
 def configure_logging(level: str, worker_index: int | None = None) -> None:
     name = "lockstep gateway" if worker_index is None else f"lockstep gateway worker {worker_index}"
-    logging.basicConfig(level=level.upper(), format=f"[{name}] %(levelname)s %(message)s", stream=sys.stderr)
+    logs.configure_logging(f"[{name}] %(levelname)s %(message)s", level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
 
 

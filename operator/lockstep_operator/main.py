@@ -9,6 +9,7 @@ import logging
 import sys
 
 from lockstep_common.argparsing import ArgumentParser
+from lockstep_common.logs import configure_logging
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.constants import DEFAULT_ENGINE_IMAGE
 
@@ -164,11 +165,7 @@ async def run(config: OperatorConfig) -> None:
 
 def main(argv: list[str]) -> int:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=config.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s", config.log_level)
     if config.log_level != "DEBUG":
         # kopf logs every handler call at INFO; ours only queue a reconcile, which logs its writes.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
