@@ -105,16 +105,3 @@ class Server:
                 self.process.wait(10)
         self._log.close()
         return self.process.returncode
-
-
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        time.sleep(interval_s)

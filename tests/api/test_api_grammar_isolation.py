@@ -17,7 +17,8 @@ import llguidance
 import openai
 import pytest
 
-from api_harness import Server, wait_until
+from api_harness import Server
+from polling import wait_until
 from hostile_constraints import ref_chain, ref_cycle, response_format, send_all
 from planted_grammar_crash import PLANTED_REGEX
 

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from api_harness import Server, wait_until
+from api_harness import Server
+from polling import wait_until
 
 INT64_OVER = 2**63
 HUGE = 10**20

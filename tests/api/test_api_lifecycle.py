@@ -8,7 +8,8 @@ import threading
 import httpx
 import pytest
 
-from api_harness import Server, wait_until
+from api_harness import Server
+from polling import wait_until
 
 
 def start_stream(server: Server, max_tokens: int, results: list, index: int, first_chunk: threading.Event):

@@ -4,7 +4,7 @@ import asyncio
 
 import httpx
 
-from api_harness import wait_until
+from polling import wait_until
 
 
 def test_100_concurrent_streams_get_every_token(tiny):

@@ -16,7 +16,8 @@ import sys
 import httpx
 import openai
 import pytest
-from api_harness import REPO, free_port, wait_until
+from api_harness import REPO, free_port
+from polling import wait_until
 
 from lockstep_engine.entrypoints import serve, vllm_flags
 from lockstep_engine.hf_cache import HubCacheError, resolve_hub_id

@@ -6,7 +6,8 @@ import signal
 
 import httpx
 
-from api_harness import START_TIMEOUT_S, Server, wait_until
+from api_harness import START_TIMEOUT_S, Server
+from polling import wait_until
 
 ARGS = ("--num-gpu-blocks-override", "512", "--max-num-seqs", "32", "--max-model-len", "512")
 STARTED, DONE = "[lockstep] warm-up: compiling", "[lockstep] warm-up: done"

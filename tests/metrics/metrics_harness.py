@@ -8,12 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from lockstep_common.metrics_names import parse_samples
+from polling import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 120.0
@@ -24,17 +24,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        time.sleep(interval_s)
 
 
 class Scrape:

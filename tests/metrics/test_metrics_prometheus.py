@@ -18,7 +18,8 @@ import time
 
 import httpx
 import pytest
-from metrics_harness import REPO, Process, Prometheus, free_port, wait_until
+from metrics_harness import REPO, Process, Prometheus, free_port
+from polling import wait_until
 
 from lockstep_common import metrics_names as n
 from lockstep_common import vllm_metrics as v

@@ -14,7 +14,7 @@ import signal
 import threading
 
 import httpx
-from metrics_harness import wait_until
+from polling import wait_until
 
 from lockstep_common import metrics_names as n
 from lockstep_common import vllm_metrics as v
