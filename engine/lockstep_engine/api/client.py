@@ -163,12 +163,6 @@ class EngineCoreClient:
         return self.ready
 
     @property
-    def core_pid(self) -> int | None:
-        if self._process is not None:
-            return self._process.pid
-        return self.ready.pid if self.ready is not None else None
-
-    @property
     def is_healthy(self) -> bool:
         return self.ready is not None and self.dead_reason is None
 
