@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import logging
 import os
 import sys
-import time
-from http import HTTPStatus
 
 from lockstep_common.argparsing import ArgumentParser, port_number
-from lockstep_common.errors import error_body
+from lockstep_common.header_limits import HeaderLimits, headers_size
 from lockstep_common import logs
 from lockstep_common.sockets import bind_sockets, die_with_parent
 
@@ -23,9 +19,6 @@ from lockstep_gateway.workers import supervise
 
 DEFAULTS = GatewayConfig()
 BACKLOG = 4096  # bursts of connections
-MAX_HEADER_BYTES = 64 << 10  # a request line and headers larger than this get 431 (httptools sets no limit)
-INVALID_HTTP_MESSAGE = ("the request is not valid HTTP/1.1: a malformed request line or header, or bytes after "
-                        "the body its Content-Length announced")
 ENV_ENGINE_KEY = "LOCKSTEP_ENGINE_API_KEY"
 
 
@@ -207,87 +200,23 @@ def configure_logging(level: str, worker_index: int | None = None) -> None:
 
 
 def header_timeout_protocol(timeout_s: float):
-    """uvicorn's httptools protocol, closing a connection whose request headers are not complete
-    `timeout_s` after it opened (in the health listener, for one it passed on) or after its previous
-    response (slowloris): uvicorn itself waits for them forever. Requests it cannot parse get an
-    OpenAI-shaped 400, headers past `MAX_HEADER_BYTES` an OpenAI-shaped 431 (uvicorn's httptools
-    protocol has no limit)."""
+    """uvicorn's httptools protocol with the header deadline, header size limit and OpenAI-shaped protocol errors
+    the engine has too (lockstep_common.header_limits): uvicorn's own waits for headers for ever and sets no limit."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HeaderTimeoutProtocol(HttpToolsProtocol):
+    class HeaderTimeoutProtocol(HeaderLimits, HttpToolsProtocol):
         header_timeout_s = timeout_s  # what the health listener reads (lockstep_common/health_server.py)
-        header_deadline: float | None = None  # set by the health listener's side for a connection it passed on
-        _header_timer: asyncio.TimerHandle | None = None
-        _header_bytes = 0
-        _oversized = False
-
-        def _arm(self, deadline: float | None = None) -> None:
-            self._disarm()
-            delay = timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
-            self._header_timer = self.loop.call_later(delay, self._headers_too_slow)
-            self._header_bytes = 0
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_too_slow(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm(self.header_deadline)
-
-        def data_received(self, data: bytes) -> None:
-            # Judged after parsing: a chunk can carry complete headers and a large body together (an
-            # 80 kB body was once a 431); only a chunk that leaves the headers incomplete is over the limit.
-            if self._header_timer is not None:
-                self._header_bytes += len(data)
-            super().data_received(data)
-            if (self._header_timer is not None and self._header_bytes > MAX_HEADER_BYTES
-                    and not self.transport.is_closing()):
-                self._send_error(431, f"the request's headers are larger than {MAX_HEADER_BYTES} bytes")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            if self._header_timer is None:
-                self._arm()  # the next request on a kept-alive connection
+            self.request_started()  # the next request on a kept-alive connection
 
         def on_headers_complete(self) -> None:
-            self._disarm()
             # Headers that arrived complete in one chunk (as they do from the health listener, which only peeked
             # at them) are measured here, by what the parser took: the request line's target and each header.
-            if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEADER_BYTES:
-                self._oversized = True
+            if not self.headers_complete(headers_size(self.url, self.headers)):
                 raise ValueError("headers over the limit")  # stops the parser: uvicorn calls send_400_response
             super().on_headers_complete()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def send_400_response(self, msg: str) -> None:
-            """A request httptools cannot parse (a garbage request line or header, body bytes past its
-            Content-Length read as the next request): the OpenAI-shaped 400 every other error has, not
-            uvicorn's plain text; the connection closes after it, as uvicorn's does. Headers past the limit
-            (`on_headers_complete`) get the 431."""
-            if self._oversized:
-                self._send_error(431, f"the request's headers are larger than {MAX_HEADER_BYTES} bytes")
-            else:
-                self._send_error(400, INVALID_HTTP_MESSAGE)
-
-        def _send_error(self, status: int, message: str) -> None:
-            self._disarm()
-            body = json.dumps(error_body(status, message)).encode()
-            head = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
-            head.extend(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
-            head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-                        % len(body))
-            self.transport.write(b"".join(head) + body)
-            self.transport.close()
 
     return HeaderTimeoutProtocol
 

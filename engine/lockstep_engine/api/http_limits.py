@@ -1,84 +1,51 @@
-"""uvicorn's h11 protocol with a deadline for request headers, and OpenAI-shaped protocol errors.
+"""The engine's HTTP/1.1 protocol: uvicorn's h11 protocol with the header deadline, header size limit and
+OpenAI-shaped protocol errors of lockstep_common.header_limits, the same the gateway puts on its httptools
+protocol (a slow client's connection closes, headers past the limit get a 431, unparsable requests a 400).
 
-uvicorn closes idle keep-alive connections (`timeout_keep_alive`), but a connection that sends part
-of its headers and then nothing stays open for ever: a few hundred of them (slowloris) hold file
-descriptors and memory. Here every request's headers must be complete within `header_timeout_s` of
-its first byte (or of the connection's start); otherwise the connection is closed. A connection that
-the health listener (`lockstep_common/health_listener.py`) passed on with its headers incomplete keeps the deadline
-that started there (`header_deadline`, time.monotonic()).
-
-A request h11 cannot parse (a malformed request line or header, headers past the size limit, a bad
-Content-Length) gets the same `{"error": {...}}` body as every other error of this server, not
-uvicorn's plain-text "Invalid HTTP request received.".
+The limit is `--h11-max-incomplete-event-size` when given (vLLM's flag, which sets h11's own buffer limit),
+else the shared one: h11's own default (16 KiB) would otherwise refuse smaller headers first.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-
 import h11
-from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn's h11 protocol imports it
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from lockstep_engine.api.errors import error_body
-
-DEFAULT_HEADER_TIMEOUT_S = 10.0
+from lockstep_common.header_limits import MAX_HEADER_BYTES, HeaderLimits, headers_size
 
 
 def header_timeout_protocol(timeout_s: float) -> type:
-    class HeaderTimeoutH11Protocol(_HeaderTimeoutH11Protocol):
+    class HeaderTimeoutH11Protocol(_H11HeaderLimits):
         header_timeout_s = timeout_s
 
     return HeaderTimeoutH11Protocol
 
 
-class _HeaderTimeoutH11Protocol(H11Protocol):
-    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
-    _header_timer: asyncio.TimerHandle | None = None
-    header_deadline: float | None = None
+class _Connection(h11.Connection):
+    """h11's server side of a connection, telling the protocol each time a request's headers are parsed."""
 
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._arm_header_timer(self.header_deadline)
+    def __init__(self, max_incomplete_event_size: int, on_request) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_incomplete_event_size)
+        self._on_request = on_request
+
+    def next_event(self):
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            self._on_request(event)
+        return event
+
+
+class _H11HeaderLimits(HeaderLimits, H11Protocol):
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.max_header_bytes = config.h11_max_incomplete_event_size or MAX_HEADER_BYTES
+        self.conn = _Connection(self.max_header_bytes, self._on_request)
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and self._awaiting_headers():
-            self._arm_header_timer()  # the next request on a kept-alive connection started
+        if self.conn.their_state is h11.IDLE:
+            self.request_started()  # the next request on a kept-alive connection (no-op while its clock runs)
         super().data_received(data)
-        if not self._awaiting_headers():
-            self._cancel_header_timer()
 
-    def connection_lost(self, exc) -> None:
-        self._cancel_header_timer()
-        super().connection_lost(exc)
-
-    def send_400_response(self, msg: str) -> None:
-        limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
-        body = json.dumps(error_body(400, f"the request is not valid HTTP/1.1: a malformed request line or header, "
-                                          f"headers longer than {limit} bytes, or a body that does not match its "
-                                          f"Content-Length")).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                      h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event))
-        self.transport.close()
-
-    def _awaiting_headers(self) -> bool:
-        return self.conn.their_state is h11.IDLE
-
-    def _arm_header_timer(self, deadline: float | None = None) -> None:
-        delay = self.header_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
-        self._header_timer = self.loop.call_later(delay, self._on_header_timeout)
-
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _on_header_timeout(self) -> None:
-        self._header_timer = None
-        if self._awaiting_headers() and not self.transport.is_closing():
-            self.transport.close()
+    def _on_request(self, event: h11.Request) -> None:
+        if not self.headers_complete(headers_size(event.target, event.headers)):
+            raise h11.RemoteProtocolError("headers over the limit", error_status_hint=431)  # uvicorn: send_400_response
