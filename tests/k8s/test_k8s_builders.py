@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import base64
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -426,3 +428,13 @@ def test_a_change_to_an_in_pod_program_changes_the_group_revision(monkeypatch):
     before = pods.revision(spec, "prod", CONFIG)
     monkeypatch.setattr(pods, "LAUNCHER", pods.LAUNCHER + "\n# changed\n")
     assert pods.revision(spec, "prod", CONFIG) != before
+
+
+@pytest.mark.parametrize("program", ["launch.py", "fetch.py"])
+def test_the_in_pod_programs_import_only_the_standard_library(program):
+    """They run with the engine image's bare python3, outside any package: a third-party or Lockstep
+    import would fail only in the pod."""
+    tree = ast.parse((Path(builders.__file__).parent / "inpod" / program).read_text(encoding="utf-8"))
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {(node.module or ".").split(".")[0] or "." for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported and imported <= sys.stdlib_module_names, imported - sys.stdlib_module_names
