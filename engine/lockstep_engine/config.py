@@ -92,7 +92,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's other methods: each needs weights or heads trained for the target, which no source here carries.
 REFUSED_SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
-_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "seed")
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft's source (any model source of `sources.resolve`)
     prompt_lookup_max: int = 0  # ngram: the longest suffix looked up in the row's tokens
     prompt_lookup_min: int = 0  # ngram: the shortest
+    # Lockstep's own key: the seed a `random:<shape>` draft's weights are drawn with. None: the engine's
+    # seed, so `random:<shape>` drafting for the same `random:<shape>` target is the target itself.
+    seed: int | None = None
 
     @property
     def is_ngram(self) -> bool:
@@ -154,7 +157,10 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
             if name in value:
                 raise _field(name, value[name], "no prompt_lookup_* with method 'draft_model'")
-        return SpeculativeConfig(method, k, model=model)
+        seed = _spec_int(value, "seed", 0, 2**63 - 1) if "seed" in value else None
+        return SpeculativeConfig(method, k, model=model, seed=seed)
+    if "seed" in value:
+        raise _field("seed", value["seed"], "no seed with method 'ngram' (it seeds a random draft model)")
     high = _spec_int(value, "prompt_lookup_max", 1, 64, default=value.get("prompt_lookup_min", 4))
     low = _spec_int(value, "prompt_lookup_min", 1, high, default=min(high, 1))
     return SpeculativeConfig(method, k, prompt_lookup_max=high, prompt_lookup_min=low)

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lockstep_engine.config import speculative_config_arg
 from lockstep_engine.entrypoints.cli_values import human_readable_int, json_list, json_object
 
 if TYPE_CHECKING:
@@ -251,7 +252,8 @@ FLAGS: tuple[Flag, ...] = (
     _r("--preemption-mode", "preemption always recomputes", accepted=("recompute", "None")),
     _n("--cuda-graph-sizes", "decode CUDA graphs are captured per batch bucket", "values"),
     # ---- whole-engine configs (VllmConfig) --------------------------------------------------
-    _r("--speculative-config", "no speculative decoding"),
+    _s("--speculative-config", "speculative decoding inside windows: ngram (prompt lookup) or draft_model, "
+                               "vLLM's JSON object"),
     _r("--kv-transfer-config", "no disaggregated prefill / KV transfer"),
     _r("--kv-events-config", "no KV-cache events"),
     _n("--compilation-config", "no torch.compile; CUDA graphs follow --enforce-eager", accepted=("0",)),
@@ -346,6 +348,10 @@ def add_supported_flags(server, engine) -> None:
                         help="the Hugging Face cache that hub ids (org/name) are read from (default: HF_HOME's)")
     engine.add_argument("--revision", default=None, help="hub ids: branch, tag or commit of the snapshot (default main)")
     engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf"])
+    engine.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_max": 4} or {"method": "draft_model", "model": SOURCE, '
+                             '"num_speculative_tokens": 3}')
     engine.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf", "slow", "mistral", "custom"],
                         help="auto / hf: the fast Hugging Face tokenizer (slow, mistral, custom are refused)")
 

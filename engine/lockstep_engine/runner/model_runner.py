@@ -109,7 +109,7 @@ class ModelRunner:
         self._backends = {self.backend.name: self.backend}
         self._graphs_by_backend: dict[str, DecodeGraphs] = {}
         self.graphs = self._decode_graphs()
-        self._drafts: dict[str, DraftModel] = {}  # draft models by source, loaded once (`draft_model`)
+        self._drafts: dict[tuple, DraftModel] = {}  # draft models by (source, seed), loaded once (`draft_model`)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The decode graphs of the current attention backend (None where steps run eagerly)."""
@@ -202,10 +202,11 @@ class ModelRunner:
         KV cache over this runner's blocks."""
         if spec is None or spec.is_ngram:
             return None
-        if spec.model not in self._drafts:
-            self._drafts[spec.model] = DraftModel(spec, self.config, self.model_config.vocab_size, self.device,
-                                                  self.dtype, self.num_blocks)
-        return self._drafts[spec.model]
+        key = (spec.model, spec.seed)
+        if key not in self._drafts:
+            self._drafts[key] = DraftModel(spec, self.config, self.model_config.vocab_size, self.device, self.dtype,
+                                           self.num_blocks)
+        return self._drafts[key]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -25,7 +25,8 @@ from lockstep_engine.spec_decode.rejection import DRAFT_STREAM, draft_probs, sam
 class DraftModel:
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target_vocab_size: int, device: torch.device,
                  dtype: torch.dtype, num_blocks: int):
-        source = resolve(spec.model, seed=config.seed, download_dir=config.download_dir, revision=config.revision)
+        seed = config.seed if spec.seed is None else spec.seed
+        source = resolve(spec.model, seed=seed, download_dir=config.download_dir, revision=config.revision)
         mc = source.config
         if mc.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config.model={spec.model!r} has a vocabulary of {mc.vocab_size} tokens, "
