@@ -25,7 +25,7 @@ import yaml
 
 root, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 sys.path.insert(0, str(root / "operator"))
-from lockstep_operator import builders
+from lockstep_operator import builders, pods
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.spec import parse_spec
 
@@ -49,7 +49,7 @@ for example in ("llmservice.yaml", "llmservice-gpu.yaml"):
     owner = {"metadata": {"name": name, "namespace": "lockstep-system", "uid": "kube-score"}}
     spec = parse_spec(name, service["spec"], default_image=config.engine_image)
     docs = [*builders.service_objects(owner, spec, config), builders.group_secret(owner, spec),
-            builders.group_statefulset(owner, spec, 0, config), builders.group_service(owner, spec, 0)]
+            pods.group_statefulset(owner, spec, 0, config), builders.group_service(owner, spec, 0)]
     if config.network_policy:
         docs.append(builders.group_policy(owner, spec, 0))
     dump("operator-" + example, docs)
