@@ -69,6 +69,19 @@ HOST_PHASE = "lockstep_host_phase_seconds"
 WASTED_TOKENS = "lockstep_wasted_tokens_total"
 STEP_TIMER_INFO = "lockstep_step_timer_info"
 
+# ---- engine: speculative decoding (--speculative-config) -------------------------------------
+SPEC_DRAFTS = "lockstep_spec_decode_drafts_total"
+SPEC_DRAFT_TOKENS = "lockstep_spec_decode_draft_tokens_total"
+SPEC_ACCEPTED_TOKENS = "lockstep_spec_decode_accepted_tokens_total"
+SPEC_ACCEPTED_PER_POS = "lockstep_spec_decode_accepted_tokens_per_pos_total"  # label position: 0..K-1
+# (name, help, labels) of the four, as the engine declares them
+SPEC_DECODE_SERIES = (
+    (SPEC_DRAFTS, "Draft proposals: (row, step) pairs of speculative steps whose row proposed tokens", ()),
+    (SPEC_DRAFT_TOKENS, "Draft tokens proposed (num_speculative_tokens per proposal)", ()),
+    (SPEC_ACCEPTED_TOKENS, "Draft tokens the target accepted (the bonus token not counted)", ()),
+    (SPEC_ACCEPTED_PER_POS, "Draft tokens accepted at each draft position", ("position",)),
+)
+
 # ---- engine: scheduler, cache, requests -----------------------------------------------------
 REQUESTS_RUNNING = "lockstep_requests_running"
 REQUESTS_WAITING = "lockstep_requests_waiting"

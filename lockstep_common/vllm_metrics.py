@@ -66,6 +66,10 @@ REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
 REQUEST_INFERENCE_TIME = "vllm:request_inference_time_seconds"
 REQUEST_PREFILL_TIME = "vllm:request_prefill_time_seconds"
 REQUEST_DECODE_TIME = "vllm:request_decode_time_seconds"
+SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
@@ -108,6 +112,13 @@ METRICS: tuple[VllmMetric, ...] = (
                buckets=REQUEST_LATENCY_BUCKETS),
     VllmMetric(REQUEST_DECODE_TIME, "histogram", "Histogram of time spent in DECODE phase for request.",
                buckets=REQUEST_LATENCY_BUCKETS),
+    VllmMetric(SPEC_DECODE_NUM_DRAFTS, "counter", "Number of spec decoding drafts.", alias=n.SPEC_DRAFTS),
+    VllmMetric(SPEC_DECODE_NUM_DRAFT_TOKENS, "counter", "Number of draft tokens.", alias=n.SPEC_DRAFT_TOKENS),
+    VllmMetric(SPEC_DECODE_NUM_ACCEPTED_TOKENS, "counter", "Number of accepted tokens.",
+               alias=n.SPEC_ACCEPTED_TOKENS),
+    # One sample per draft position (label `position`), as vLLM's.
+    VllmMetric(SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, "counter", "Accepted tokens per draft position.",
+               (*ENGINE_LABELS, "position"), alias=n.SPEC_ACCEPTED_PER_POS),
     VllmMetric(CACHE_CONFIG_INFO, "gauge", "Information of the LLMEngine CacheConfig",
                ("block_size", "cache_dtype", "enable_prefix_caching", "engine", "gpu_memory_utilization",
                 "model_name", "num_gpu_blocks", "num_scheduler_steps")),

@@ -69,6 +69,7 @@ CORE_SPECS = {s.name: s for s in (
     Spec(n.PREEMPTIONS, "counter", "Sequences preempted (KV blocks freed, recomputed later)"),
     Spec(n.PREFIX_CACHE_QUERIES, "counter", "Prompt tokens looked up in the prefix cache"),
     Spec(n.PREFIX_CACHE_HITS, "counter", "Prompt tokens found in the prefix cache"),
+    *(Spec(name, "counter", help_text, labels) for name, help_text, labels in n.SPEC_DECODE_SERIES),
 )}
 
 
@@ -185,6 +186,8 @@ class CoreMetrics:
         counters[n.PREEMPTIONS] = {(): float(core.scheduler.num_preemptions)}
         counters[n.PREFIX_CACHE_QUERIES] = {(): float(core.blocks.prefix_cache_queries)}
         counters[n.PREFIX_CACHE_HITS] = {(): float(core.blocks.prefix_cache_hits)}
+        if core.stats.spec is not None:  # cumulative, as the core counts them (`runner.outputs.SpecCounts`)
+            counters.update(core.stats.spec.counters())
         histograms = {name: {labels: b.state() for labels, b in values.items()}
                       for name, values in s.histograms.items()}
         self.changed = False
@@ -389,6 +392,10 @@ class ServerMetrics:
                         out.append(f'{metric.name}_total{{{labels},finished_reason="{reason}"}} {float(value)!r}\n')
                     continue
                 values = counters.get(metric.alias, {})
+                if len(metric.labels) > len(v.ENGINE_LABELS):  # one sample per value of the alias' own label
+                    for (value_of_label,), value in sorted(values.items()):
+                        out.append(f'{metric.name}_total{{{labels},{metric.labels[-1]}="{value_of_label}"}} {value!r}\n')
+                    continue
                 if values or attached:
                     out.append(f"{metric.name}_total{{{labels}}} {float(sum(values.values()))!r}\n")
                 continue

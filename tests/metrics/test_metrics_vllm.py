@@ -5,8 +5,8 @@ source vllm/v1/metrics/loggers.py (`PrometheusStatLogger.__init__`), vLLM v0.11.
 (https://github.com/vllm-project/vllm/blob/v0.11.0/vllm/v1/metrics/loggers.py; the copy read is the one
 whose comments say "Deprecated in 0.11 - Renamed as vllm:inter_token_latency_seconds"), and
 https://docs.vllm.ai/en/latest/usage/metrics.html. vLLM's deprecated hidden series (gpu_cache_usage_perc,
-gpu_prefix_cache_*) and the speculative-decoding / KV-connector series (no speculative decoding or KV
-transfer here) are left out.
+gpu_prefix_cache_*) and the KV-connector series (no KV transfer here) are left out; the speculative-decoding
+counters (vllm/v1/spec_decode/metrics.py, `SpecDecodingProm`) are in.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ VLLM_V011 = {
     **_series("counter", ENGINE, None, "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
               "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens"),
     **_series("counter", (*ENGINE, "finished_reason"), None, "vllm:request_success"),
+    **_series("counter", ENGINE, None, "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens"),
+    **_series("counter", (*ENGINE, "position"), None, "vllm:spec_decode_num_accepted_tokens_per_pos"),
     **_series("histogram", ENGINE, _TOKENS, "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
               "vllm:request_max_num_generation_tokens", "vllm:request_params_max_tokens"),
     **_series("histogram", ENGINE, [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
@@ -92,7 +95,8 @@ def test_served_names_types_labels_and_buckets_match_vllm(server):
     for name, (kind, labels, buckets) in VLLM_V011.items():
         family = families[name]
         assert family.type == kind, f"{name}: {family.type} != {kind}"
-        assert family.samples, name
+        # (one sample per draft position: none from this engine, which runs without --speculative-config)
+        assert family.samples or name == "vllm:spec_decode_num_accepted_tokens_per_pos", name
         for sample in family.samples:
             assert set(labels) <= set(sample.labels), f"{name}: labels {sorted(sample.labels)}"
             if "engine" in labels:

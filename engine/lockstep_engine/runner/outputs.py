@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from lockstep_common import metrics_names as n
 from lockstep_engine.protocol import TokenLogprobs
 
 
@@ -92,6 +93,12 @@ class SpecCounts:
                 per_pos[j] += count
         return SpecCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
                           self.num_accepted_tokens + other.num_accepted_tokens, tuple(per_pos))
+
+    def counters(self) -> dict[str, dict[tuple, float]]:
+        """The engine's spec_decode counter series (lockstep_common.metrics_names), by label values."""
+        return {n.SPEC_DRAFTS: {(): float(self.num_drafts)}, n.SPEC_DRAFT_TOKENS: {(): float(self.num_draft_tokens)},
+                n.SPEC_ACCEPTED_TOKENS: {(): float(self.num_accepted_tokens)},
+                n.SPEC_ACCEPTED_PER_POS: {(str(j),): float(c) for j, c in enumerate(self.accepted_per_pos)}}
 
     @property
     def acceptance_rate(self) -> float:
