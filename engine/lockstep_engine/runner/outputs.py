@@ -100,10 +100,6 @@ class SpecCounts:
                 n.SPEC_ACCEPTED_TOKENS: {(): float(self.num_accepted_tokens)},
                 n.SPEC_ACCEPTED_PER_POS: {(str(j),): float(c) for j, c in enumerate(self.accepted_per_pos)}}
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
 
 @dataclass
 class WindowTimings:
