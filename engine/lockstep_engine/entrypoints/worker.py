@@ -34,3 +34,7 @@ def main(argv: list[str]) -> int:
     from lockstep_engine.group.worker import run_worker
 
     exit_rank(run_worker(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

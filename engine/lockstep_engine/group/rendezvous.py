@@ -199,8 +199,9 @@ def exit_rank(code: int) -> None:
 
 
 def spawn_local_workers(config: EngineConfig, port: int, secret: bytes) -> list[subprocess.Popen]:
-    """Starts ranks 1..W-1 on this host, as `lockstep worker` processes that hold the leader's secret
-    (in their environment: readable only by this user)."""
+    """Starts ranks 1..W-1 on this host, as `lockstep worker` processes that hold the leader's secret (in their
+    environment: readable only by this user). They run by their module's name, not through the `lockstep`
+    command, which is the package above the engine."""
     workers = []
     for rank in range(1, world_size(config)):
         env = dict(os.environ, LOCKSTEP_RANK=str(rank), LOCKSTEP_WORLD_SIZE=str(world_size(config)),
@@ -208,7 +209,7 @@ def spawn_local_workers(config: EngineConfig, port: int, secret: bytes) -> list[
                    LOCKSTEP_RENDEZVOUS_PORT=str(port), LOCKSTEP_ENGINE_CONFIG=json.dumps(asdict(config)))
         env.pop(SECRET_FILE_ENV, None)
         env[SECRET_ENV] = secret.decode()
-        workers.append(subprocess.Popen([sys.executable, "-m", "lockstep.cli", "worker"], env=env,
+        workers.append(subprocess.Popen([sys.executable, "-m", "lockstep_engine.entrypoints.worker"], env=env,
                                         preexec_fn=die_with_parent))  # no orphaned workers
     atexit.register(stop_workers, workers)
     return workers
