@@ -22,6 +22,7 @@ from typing import TextIO
 
 from lockstep.bench.serve_client import BenchmarkError, Progress, RequestResult, make_client, send_on_schedule
 from lockstep.bench.workload import WorkloadRequest
+from lockstep_common.processes import stop_processes
 
 # Client processes: spawning one and importing httpx takes about a second; a loaded machine, more.
 PROCESS_STARTUP_TIMEOUT_S = 60.0
@@ -207,14 +208,7 @@ class ClientProcesses:
         deadline = time.monotonic() + exit_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in self.processes:
-            process.join(PROCESS_EXIT_TIMEOUT_S)
-            if process.is_alive():
-                process.kill()
-                process.join(PROCESS_EXIT_TIMEOUT_S)
+        stop_processes(self.processes, PROCESS_EXIT_TIMEOUT_S)
         for conn in self.conns:
             conn.close()
 
