@@ -57,9 +57,8 @@ class _EngineCounter(_ByEngine, Counter):
 class _EngineGauge(_ByEngine, Gauge):
     pass
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))  # --workers N
-# vLLM's request-latency boundaries, so gateway and engine histograms line up on one dashboard.
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's time-to-first-token boundaries, the engine's too, so gateway and engine histograms line up on one dashboard.
+LATENCY_BUCKETS = n.TTFT_BUCKETS
 
 
 class GatewayMetrics:
