@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import re
@@ -32,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from lockstep_gateway import __version__
-from lockstep_gateway.auth import KeyChecker, key_id, load_keys
+from lockstep_gateway.auth import KeyChecker, QueryKeyGuard, key_id, load_keys
 from lockstep_gateway.backends import Registry
 from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.discovery import KubeAPI, KubernetesDiscovery, watch_config_file
@@ -40,9 +39,11 @@ from lockstep_gateway.errors import GatewayError, error_response
 from lockstep_gateway.metrics import CONTENT_TYPE, GatewayMetrics, engine_id
 from lockstep_gateway.flow_control import PriorityTrust, disconnect_watcher, request_priority
 from lockstep_gateway.health import health_response, ready_response
-from lockstep_gateway.proxy import ClientShards, Job, Proxy, Relayed
+from lockstep_gateway.json_body import parse_json_object
+from lockstep_gateway.proxy import ClientShards, Job, Proxy
 from lockstep_gateway.ratelimit import ClientAddress, RateLimiter, estimate_tokens
-from lockstep_gateway.routing import prefix_hashes, session_key
+from lockstep_gateway.relay import Relayed
+from lockstep_gateway.routing.candidate import Incoming
 from lockstep_gateway.upstream import UpstreamClient
 
 log = logging.getLogger("lockstep.gateway")
@@ -70,16 +71,11 @@ UPSTREAM_CLIENT_SHARDS = 16
 UPSTREAM_WRITE_TIMEOUT_S = 30.0
 # Headers the engine may need; everything else (hop-by-hop, host, cookies) stays here.
 FORWARDED_HEADERS = ("traceparent", "tracestate")
-# Query parameters that carry a key in some clients: refused, since URLs end up in logs and proxies.
-QUERY_KEY_NAMES = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token"})
-MAX_JSON_DEPTH = 64
 # The engine's largest counts (lockstep_engine.validation.MAX_PROMPTS; a guided_choice list): a large body with
 # more is refused before the gateway parses it (lockstep_common/large_body.py).
 MAX_PROMPTS = 1024
 MAX_LIST_ITEMS = 100_000
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-# A \uD800-\uDFFF escape: only then can the parsed body hold a lone surrogate.
-_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")  # or one encoded as UTF-8 (ED A0 80)
 UNAUTHORIZED = "invalid or missing API key (send 'Authorization: Bearer KEY')"
 
 
@@ -216,12 +212,10 @@ class Gateway:
             headers.update(self.registry.headers)  # the engines' key, whatever the client sent
         elif not self.keys.enabled and "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]  # the engine may check its own key
-        session = session_key(request.headers, payload, self.config.session_header)
         # Only after the charge: a request refused before it (401, 400, 404, 429) has nothing to refund.
-        prefix = prefix_hashes(payload, model) \
-            if self.config.routing == "prefix-aware" and route in GENERATION_ROUTES else ()
-        return Job(request.url.path, route, body, model, headers, session, rate_key, estimate, request_id,
-                   priority=priority, sheddable=sheddable, prefix=prefix,
+        hints = self.proxy.router.read(Incoming(model, payload, request.headers, route in GENERATION_ROUTES))
+        return Job(request.url.path, route, body, model, headers, rate_key, estimate, request_id,
+                   priority=priority, sheddable=sheddable, hints=hints,
                    disconnected=disconnect_watcher(request.receive))
 
     async def _refuse_by_size(self, body: bytes) -> None:
@@ -473,104 +467,8 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
     return app
 
 
-class QueryKeyGuard:
-    """401 for a key in the query string, on every route and before anything else: the URL (and the
-    key in it) would land in access logs and proxies. The answer does not echo the key. A request with
-    two Authorization headers gets a 400 here too."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
-            # Proxies disagree on which of two counts (the first, the last): neither does, as in the engine.
-            return await error_response(GatewayError(400, "more than one Authorization header: send exactly one",
-                                                     "authorization"))(scope, receive, send)
-        if scope["type"] == "http" and scope.get("query_string"):
-            names = {part.split(b"=", 1)[0].decode("latin-1").lower() for part in scope["query_string"].split(b"&")}
-            found = sorted(names & QUERY_KEY_NAMES)
-            if found:
-                error = GatewayError(401, f"API keys in the query string ({found[0]}=...) are refused: they end up in "
-                                          "logs; send 'Authorization: Bearer KEY' instead", found[0])
-                return await error_response(error)(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
 def _request_id(request: Request) -> str:
     given = request.headers.get("x-request-id")
     if given and _CLIENT_REQUEST_ID.fullmatch(given):
         return given
     return "gw-" + uuid.uuid4().hex[:20]
-
-
-def parse_json_object(body: bytes) -> dict:
-    """The body as a JSON object, or a 400 that says what is wrong with it."""
-    try:
-        payload = json.loads(body)
-    except RecursionError:
-        raise GatewayError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except UnicodeDecodeError as error:
-        where = _undecodable_field(body)
-        raise GatewayError(400, f"{where or 'the request body'} is not UTF-8: byte {error.start} of the body (0x"
-                                f"{body[error.start]:02x}) is invalid", where or None) from None
-    except ValueError as error:
-        raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(payload, dict):
-        raise GatewayError(400, f"the request body must be a JSON object, not {type(payload).__name__}")
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _depth(payload) > MAX_JSON_DEPTH:
-        raise GatewayError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
-    if _may_hold_surrogate(body):
-        where = _lone_surrogate(payload, "")
-        if where is not None:
-            raise GatewayError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
-                                    "which is not text", where or None)
-    return payload
-
-
-def _may_hold_surrogate(body: bytes) -> bool:
-    """`_SURROGATE_ESCAPE.search` after substring tests that run at memory speed: the regex alone, which has no
-    literal to look for first, took 170-200 ms of the event loop on a 13 MB body."""
-    return any(mark in body for mark in (b"\\ud", b"\\uD", b"\\Ud", b"\\UD", b"\xed")) \
-        and _SURROGATE_ESCAPE.search(body) is not None
-
-
-def _undecodable_field(body: bytes) -> str | None:
-    """The path of the field holding bytes that are not UTF-8 ("" for a key of the body), else None."""
-    try:
-        payload = json.loads(body.decode("utf-8", "surrogateescape"))
-    except (ValueError, RecursionError):
-        return None
-    return _lone_surrogate(payload, "")
-
-
-def _depth(value, limit: int = MAX_JSON_DEPTH) -> int:
-    """Nesting depth, counted without recursion and only up to just past `limit`."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return deepest
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
-                         if isinstance(child, (dict, list)))
-    return deepest
-
-
-def _lone_surrogate(value, path: str) -> str | None:
-    """The path of the first string (or key) that is not valid text, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, child in items:
-        child_path = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
-        if isinstance(key, str) and _lone_surrogate(key, child_path) is not None:
-            return path  # the object holding the key: the message never echoes what cannot be encoded
-        found = _lone_surrogate(child, child_path)
-        if found is not None:
-            return found
-    return None

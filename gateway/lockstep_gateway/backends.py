@@ -27,7 +27,7 @@ from lockstep_gateway.breaker import CircuitBreaker
 from lockstep_gateway.config import GatewayConfig
 from lockstep_gateway.engine_metrics import parse_engine_load
 from lockstep_gateway.metrics import GatewayMetrics
-from lockstep_gateway.routing import Candidate, EngineLoad
+from lockstep_gateway.routing.candidate import Candidate, EngineLoad
 
 log = logging.getLogger("lockstep.gateway")
 
@@ -47,7 +47,7 @@ class Backend:
     load: EngineLoad | None = None
     load_time: float = float("-inf")
     in_flight_at_scrape: int = 0
-    seats: int = 0  # the most requests it was seen running at once (routing.Candidate.seats)
+    seats: int = 0  # the most requests it was seen running at once (routing.candidate.Candidate.seats)
     in_flight: int = 0
     breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(5, 5.0))
     # Resolved when the engine is ejected as unresponsive: attempts waiting for a first byte end.
@@ -56,7 +56,7 @@ class Backend:
 
     def candidate(self, now: float) -> Candidate:
         return Candidate(self.url, self.in_flight, self.load, now - self.load_time, self.in_flight_at_scrape,
-                         self.seats)
+                         self.seats, self.models, self.healthy, self.suspect, self.breaker.allows(now))
 
     def unresponsive_signal(self) -> asyncio.Future:
         if self.unresponsive is None or self.unresponsive.done():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-ROUTING_POLICIES = ("least-load", "round-robin", "prefix-aware")
+from lockstep_gateway.routing.registry import POLICIES
+
+ROUTING_POLICIES = tuple(POLICIES)
 DEFAULT_LABEL_SELECTOR = "app.kubernetes.io/component=engine-leader"
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lockstep_common import vllm_metrics as v
-from lockstep_gateway.routing import EngineLoad
+from lockstep_gateway.routing.candidate import EngineLoad
 
 _GAUGES = {
     v.NUM_REQUESTS_RUNNING: "num_running",

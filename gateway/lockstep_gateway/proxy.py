@@ -1,4 +1,5 @@
-"""Forwarding one client request: choose an engine, retry only what no engine accepted, relay SSE.
+"""Forwarding one client request: choose an engine (routing/), retry only what no engine accepted, relay
+SSE (relay.py), correct the token charge with the usage the engine reports (token_usage.py).
 
 A request is replayed on another engine only when the first one certainly did not start it: the
 connection was refused or never established, the request could not be written, or the engine
@@ -20,12 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from starlette.responses import Response
@@ -33,18 +33,15 @@ from starlette.responses import Response
 from lockstep_gateway.backends import Backend, Registry
 from lockstep_gateway.breaker import RetryBudget
 from lockstep_gateway.config import GatewayConfig
-from lockstep_gateway.errors import GatewayError, sse_error_event
+from lockstep_gateway.errors import GatewayError
 from lockstep_gateway.flow_control import QUEUED_REQUEST_OVERHEAD_BYTES, FlowControl, QueueRefused
 from lockstep_gateway.metrics import GatewayMetrics
 from lockstep_gateway.ratelimit import RateLimiter
-from lockstep_gateway.routing import (
-    HashRing,
-    PrefixIndex,
-    is_saturated,
-    pick_least_load,
-    pick_prefix_aware,
-    pick_round_robin,
-)
+from lockstep_gateway.relay import Relayed, relay_events
+from lockstep_gateway.routing.candidate import Ask, Settings
+from lockstep_gateway.routing.registry import build_policy
+from lockstep_gateway.routing.router import Router
+from lockstep_gateway.token_usage import settle_from_json, settle_from_sse
 from lockstep_gateway.upstream import (
     ConnectFailed,
     ConnectTimeout,
@@ -72,14 +69,13 @@ class Job:
     body: bytes
     model: str
     headers: dict[str, str]  # to send upstream
-    session: str | None
     rate_key: str
     estimated_tokens: int
     request_id: str = ""
     settled: bool = False  # the engine reported usage and the rate limiter was corrected
     priority: int = 0  # lower is served earlier (vLLM's `priority`; flow_control.request_priority)
     sheddable: bool = False  # refused at once rather than queued when no engine has room
-    prefix: tuple[int, ...] = ()  # the prompt's leading block hashes, for prefix-aware routing
+    hints: dict[str, object] = field(default_factory=dict)  # what routing read of it (Router.read)
     disconnected: Callable[[], Awaitable[None]] | None = None  # returns when the client has gone
 
 
@@ -99,46 +95,6 @@ class _Retry(Exception):
         self.reason = reason
 
 
-class Relayed:
-    """A streamed answer, sent as ASGI messages straight from the upstream connection (no
-    StreamingResponse: no task group, no iterator layers per chunk). It releases what it holds (the
-    engine's slot, the upstream connection, the gateway's admission) exactly once, even when the
-    client leaves before the first chunk. A client that goes away closes the upstream connection, so
-    the engine aborts the request and frees its KV blocks."""
-
-    def __init__(self, status_code: int, cleanup, relay, on_gone):
-        self.status_code = status_code
-        self.headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        self.cleanups = [cleanup]
-        self.relay = relay  # async (send, relayed) -> None
-        self._on_gone = on_gone
-        self.gone = False  # the client disconnected
-        self.finished = False  # the last message is being sent
-
-    async def __call__(self, scope, receive, send) -> None:
-        watcher = None
-        try:
-            headers = [(b"content-type", b"text/event-stream"),
-                       *((name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items())]
-            await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
-            watcher = asyncio.ensure_future(self._watch(receive))  # one task per stream, none per chunk
-            await self.relay(send, self)
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-            for cleanup in self.cleanups:
-                await cleanup()
-            self.cleanups = []
-
-    async def _watch(self, receive) -> None:
-        # The body was read before: the next message is the client's disconnect (or the response's end).
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not self.finished:
-            self.gone = True
-            self._on_gone()
-
-
 class Proxy:
     def __init__(self, config: GatewayConfig, registry: Registry, clients: UpstreamClient, metrics: GatewayMetrics,
                  limiter: RateLimiter, rng: random.Random | None = None):
@@ -147,12 +103,12 @@ class Proxy:
         self.clients = clients
         self.metrics = metrics
         self.limiter = limiter
-        self.rng = rng or random.Random()
+        settings = Settings(stale_after_s=config.metrics_stale_s, queue_depth=config.saturation_queue_depth,
+                            max_in_flight=config.max_in_flight_per_engine, session_header=config.session_header,
+                            session_affinity=config.session_affinity)
+        self.router = Router(build_policy(config.routing, settings), settings, rng)
         self.in_flight = 0  # client requests admitted and not answered yet (streams until their end)
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
-        self._round_robin = 0
-        self._rings: dict[tuple[str, ...], HashRing] = {}
-        self.prefixes = PrefixIndex()
         self.flow = FlowControl(config.max_queue_length, config.queue_timeout_s, config.retry_after_s,
                                 choose=lambda job: self.choose(job, set()), hold=_hold, unhold=_unhold,
                                 on_depth=self._on_queue_depth,
@@ -166,47 +122,16 @@ class Proxy:
 
     # ---- choosing ---------------------------------------------------------------------------------
     def choose(self, job: Job, tried: set[str]) -> Backend | None:
+        """The engine for the job now (routing/), other than the tried ones; None when none may take it."""
         now = time.monotonic()
-        pool = [b for b in self.registry.healthy(job.model) if b.breaker.allows(now)]
-        if any(not b.suspect for b in pool):
-            pool = [b for b in pool if not b.suspect]  # a suspect engine only when nothing else is left
-        by_url = {b.url: b for b in pool}
-        cfg = self.config
-
-        def usable(backend: Backend) -> bool:
-            return backend.url not in tried and not is_saturated(
-                backend.candidate(now), cfg.metrics_stale_s, cfg.saturation_queue_depth, cfg.max_in_flight_per_engine)
-
-        if cfg.session_affinity and job.session is not None:
-            for url in self._ring(tuple(sorted(by_url))).preference(job.session):
-                if usable(by_url[url]):
-                    return by_url[url]
-            return None
-        backends = [b for b in pool if usable(b)]
-        if not backends:
-            return None
-        candidates = [b.candidate(now) for b in backends]
-        if cfg.routing == "round-robin":
-            self._round_robin += 1
-            chosen = pick_round_robin(candidates, self._round_robin)
-        elif cfg.routing == "prefix-aware" and job.prefix:
-            matches = [self.prefixes.match(b.url, job.prefix) for b in backends]
-            chosen = pick_prefix_aware(candidates, matches, cfg.metrics_stale_s, self.rng)
-        else:
-            chosen = pick_least_load(candidates, cfg.metrics_stale_s, self.rng)
-        return by_url[chosen.url]
-
-    def _ring(self, members: tuple[str, ...]) -> HashRing:
-        ring = self._rings.get(members)
-        if ring is None:
-            if len(self._rings) > 64:
-                self._rings.clear()
-            ring = self._rings[members] = HashRing(members)
-        return ring
+        backends = self.registry.backends
+        chosen = self.router.choose([b.candidate(now) for b in backends.values()],
+                                    Ask(job.model, job.hints, frozenset(tried)))
+        return None if chosen is None else backends[chosen.url]
 
     def _engine_changed(self, backend: Backend, event: str) -> None:
         if event in ("admitted", "removed"):
-            self.prefixes.forget(backend.url)  # a readmitted engine may have restarted with an empty cache
+            self.router.forget(backend.url)  # a readmitted engine may have restarted with an empty cache
         if event != "removed":
             for model in backend.models:
                 self.flow.dispatch(model)
@@ -230,8 +155,7 @@ class Proxy:
             if backend is None:
                 break
             tried.add(backend.url)
-            if job.prefix:
-                self.prefixes.record(backend.url, job.prefix)
+            self.router.routed(backend.url, job.hints)
             if attempt:
                 self.metrics.retries.labels(reason.split(":")[0]).inc()
             if budgeted:
@@ -315,7 +239,7 @@ class Proxy:
             metrics.upstream_requests.labels(engine, "ok").inc()
             backend.breaker.on_success()
             if response.status_code == 200:
-                self._settle_from_json(job, body)
+                settle_from_json(self.limiter, job, body)
             return Response(body, status_code=response.status_code, media_type=content_type)
         except GatewayError as error:
             self._breaker_failure(backend, error)
@@ -444,80 +368,21 @@ class Proxy:
 
     async def _relay(self, backend: Backend, job: Job, response: UpstreamResponse, first: bytes | None,
                      started: float, send, relayed: Relayed) -> None:
-        """Pass SSE through as it comes, whole events only, so an error event never lands inside a
-        half-written one. Per chunk: one read of what the connection holds, one ASGI send; the body is
-        searched for usage only when a token limit needs it."""
-        metrics = self.metrics
-        engine = backend.url
-        idle = self.config.idle_timeout_s
-        usage = bool(self.limiter.tpm)
-        pending = b""
-        chunk = first
-        outcome = "ok"
-        tail = b""
+        on_usage = functools.partial(settle_from_sse, self.limiter, job) if self.limiter.tpm else None
+        outcome, tail = "ok", None
         try:
-            while chunk is not None:
-                if not pending and chunk.endswith(b"\n\n"):
-                    complete = chunk
-                else:
-                    pending += chunk
-                    cut = pending.rfind(b"\n\n") + 2
-                    complete, pending = (pending[:cut], pending[cut:]) if cut > 1 else (b"", pending)
-                if complete:
-                    if usage and b'"usage"' in complete:
-                        self._settle_from_sse(job, complete)
-                    await send({"type": "http.response.body", "body": complete, "more_body": True})
-                chunk = await response.read(idle)
-            tail = pending
-        except IdleTimeout:
-            outcome = "timeout"
-            metrics.stream_errors.labels("idle_timeout").inc()
-            tail = sse_error_event(504, f"the engine sent nothing for {idle:g}s; stream ended", job.route)
-        except UpstreamError as error:
-            if relayed.gone:  # the client left and its upstream connection was closed for it
-                return
-            outcome = "error"
-            metrics.stream_errors.labels("upstream_lost").inc()
-            log.warning("stream from %s broke: %s", engine, error)
-            tail = sse_error_event(502, "the connection to the engine was lost mid-stream", job.route)
+            outcome, tail = await relay_events(response, first, self.config.idle_timeout_s, job.route, send, relayed,
+                                               on_usage, self.metrics.stream_errors, backend.url)
         finally:
-            metrics.upstream_requests.labels(engine, outcome).inc()
-            metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
+            self.metrics.upstream_requests.labels(backend.url, outcome).inc()
+            self.metrics.upstream_latency.labels(job.route, "total").observe(time.monotonic() - started)
             if outcome == "ok":
                 backend.breaker.on_success()
             else:
                 self._breaker_failure(backend)
-        relayed.finished = True
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
-
-    # ---- token accounting ---------------------------------------------------------------------------
-    def _settle(self, job: Job, usage) -> None:
-        if not isinstance(usage, dict) or job.settled:
-            return
-        total = usage.get("total_tokens")
-        if total is None and isinstance(usage.get("input_tokens"), int) and isinstance(usage.get("output_tokens"), int):
-            # /v1/messages: Anthropic's usage has no total; the prompt is input plus cache reads
-            total = usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0) + usage["output_tokens"]
-        if isinstance(total, int):
-            job.settled = True
-            self.limiter.settle(job.rate_key, job.estimated_tokens, total)
-
-    def _settle_from_json(self, job: Job, body: bytes) -> None:
-        if self.limiter.tpm:
-            try:
-                self._settle(job, json.loads(body).get("usage"))
-            except (ValueError, AttributeError):
-                pass
-
-    def _settle_from_sse(self, job: Job, events: bytes) -> None:
-        if not self.limiter.tpm:
-            return
-        for line in events.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage"' in line and b'"type":"message_start"' not in line:
-                try:
-                    self._settle(job, json.loads(line[6:]).get("usage"))
-                except (ValueError, AttributeError):
-                    pass
+        if tail is not None:
+            relayed.finished = True
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
 def _hold(backend: Backend) -> None:

@@ -18,7 +18,7 @@ import pytest
 from gateway_harness import MODEL, Engine
 
 from lockstep_gateway.flow_control import MIN_DRAINED, DrainRate, FlowControl, ModelQueue, QueueRefused, Waiter
-from lockstep_gateway.routing import Candidate, EngineLoad, is_saturated
+from lockstep_gateway.routing.candidate import Candidate, EngineLoad, is_saturated
 
 REFUSED = "lockstep_gateway_requests_refused_total"
 

@@ -8,14 +8,14 @@ import random
 import httpx
 from gateway_harness import MODEL
 
-from lockstep_gateway.routing import (
+from lockstep_gateway.routing.candidate import Candidate
+from lockstep_gateway.routing.prefix import (
     PREFIX_BLOCK_CHARS,
     PREFIX_BLOCK_TOKENS,
     PREFIX_SLACK_ABS,
-    Candidate,
     PrefixIndex,
-    pick_prefix_aware,
     prefix_hashes,
+    prefix_holder,
 )
 
 STALE = 3.0
@@ -57,14 +57,13 @@ def test_the_index_matches_leading_blocks_evicts_the_oldest_and_forgets_an_engin
 
 
 def test_the_prefix_holder_wins_until_it_is_busier_than_the_slack_then_least_load():
-    rng = random.Random(0)
     holder, other = Candidate("http://a", in_flight=3), Candidate("http://b", in_flight=0)
-    assert pick_prefix_aware([holder, other], [5, 0], STALE, rng).url == "http://a"
+    assert prefix_holder([holder, other], [5, 0], STALE) == 0
     overloaded = Candidate("http://a", in_flight=int(PREFIX_SLACK_ABS) + 1)
-    assert pick_prefix_aware([overloaded, other], [5, 0], STALE, rng).url == "http://b"
+    assert prefix_holder([overloaded, other], [5, 0], STALE) is None  # then load decides
     longer = Candidate("http://c", in_flight=1)
-    assert pick_prefix_aware([holder, other, longer], [5, 0, 6], STALE, rng).url == "http://c"
-    assert pick_prefix_aware([holder, other], [0, 0], STALE, rng).url == "http://b"  # no match: least load
+    assert prefix_holder([holder, other, longer], [5, 0, 6], STALE) == 2
+    assert prefix_holder([holder, other], [0, 0], STALE) is None  # no match: load decides
 
 
 def test_a_gateway_keeps_requests_with_one_prefix_on_one_engine(engines, start_gateway):

@@ -6,18 +6,18 @@ import random
 from collections import Counter
 
 from lockstep_gateway.engine_metrics import parse_engine_load
-from lockstep_gateway.routing import (
-    Candidate,
-    EngineLoad,
-    HashRing,
-    is_saturated,
-    load_score,
-    pick_least_load,
-    pick_round_robin,
-    session_key,
-)
+from lockstep_gateway.routing.affinity import HashRing, session_key
+from lockstep_gateway.routing.candidate import Ask, Candidate, EngineLoad, Settings, is_saturated, load_score
+from lockstep_gateway.routing.picker import pick
+from lockstep_gateway.routing.scorers import LeastLoad, next_in_turn
 
 STALE = 3.0
+
+
+def pick_least_load(candidates, stale_after_s, rng):
+    """Power of two choices by load: the picker with no preference scores."""
+    loads = LeastLoad().score(candidates, Ask("m"), Settings(stale_after_s=stale_after_s))
+    return pick(candidates, [], loads, rng)
 
 
 def test_power_of_two_choices_always_takes_the_lighter_of_two_engines():
@@ -55,7 +55,7 @@ def test_saturation_by_queue_depth_or_in_flight_limit():
 
 def test_round_robin_cycles_in_a_stable_order():
     candidates = [Candidate("http://b"), Candidate("http://a"), Candidate("http://c")]
-    assert [pick_round_robin(candidates, i).url for i in range(6)] == ["http://a", "http://b", "http://c"] * 2
+    assert [next_in_turn([c.url for c in candidates], i) for i in range(6)] == ["http://a", "http://b", "http://c"] * 2
 
 
 def test_hash_ring_is_stable_and_moves_only_the_keys_of_a_leaving_engine():
