@@ -27,8 +27,8 @@ COPY_TEXT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a -
 
 
 def _tiny(steps, spec=None, **kwargs) -> LLM:
-    return LLM("random:tiny", num_scheduler_steps=steps, num_gpu_blocks_override=256, device="cpu",
-               speculative_config=spec, **kwargs)
+    return LLM("random:tiny", num_scheduler_steps=steps, device="cpu", speculative_config=spec,
+               **{"num_gpu_blocks_override": 256, **kwargs})
 
 
 def _token_ids(outputs):
@@ -92,12 +92,13 @@ def test_greedy_smollm2_with_ngram_is_the_targets_and_copying_accepts_many(make_
     assert _rate(copier) > 0.5, copier.engine.core.stats.spec
 
 
-def test_smollm2_drafting_for_itself_accepts_every_draft(make_llm, smollm2):
+@pytest.mark.parametrize("steps", [1, 8])
+def test_smollm2_drafting_for_itself_accepts_every_draft(make_llm, smollm2, steps):
     inputs = [{"prompt_token_ids": smollm2.tokenizer.encode(t)} for t in ("Once upon a time,", COPY_TEXT)]
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    expected = _token_ids(make_llm(num_scheduler_steps=8).generate(inputs, params))
-    llm = make_llm(num_scheduler_steps=8, speculative_config={"method": "draft_model", "model": "smollm2",
-                                                               "num_speculative_tokens": 4})
+    expected = _token_ids(make_llm(num_scheduler_steps=steps).generate(inputs, params))
+    llm = make_llm(num_scheduler_steps=steps, speculative_config={"method": "draft_model", "model": "smollm2",
+                                                                   "num_speculative_tokens": 4})
     assert _token_ids(llm.generate(inputs, params)) == expected
     assert _rate(llm) == 1.0
 
@@ -233,6 +234,21 @@ def test_prefix_caching_and_chunked_prefill_keep_the_tokens():
     assert _token_ids(llm.generate([long_prompt], params)) == expected  # the prompt's blocks come from the cache
     assert llm.engine.core.blocks.prefix_cache_hits > 0
     assert _rate(llm) == 1.0
+
+
+def test_forked_samples_and_preemption_keep_the_tokens():
+    params = SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(300, 340))}
+    [expected] = _token_ids(_tiny(8).generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))
+    [pair] = _tiny(8, SELF_DRAFT).generate(prompt, params)
+    assert [c.token_ids for c in pair.outputs] == [expected, expected]
+    # 16 blocks of 16 slots: rows reserving 8 x 4 more tokens per window outgrow them and are preempted
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    plain = _token_ids(_tiny(8, num_gpu_blocks_override=16).generate(prompts, params))
+    llm = _tiny(8, SELF_DRAFT, num_gpu_blocks_override=16)
+    assert _token_ids(llm.generate(prompts, params)) == plain
+    assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 # ---- what is refused --------------------------------------------------------------------------
