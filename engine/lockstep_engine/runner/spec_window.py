@@ -25,6 +25,7 @@ import torch
 
 from lockstep_engine.runner.outputs import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SpecCounts, StepOutput, StepTag,
                                            WindowTimings)
+from lockstep_engine.runner.step_inputs import pad_rows
 from lockstep_engine.runner.steps import Steps
 from lockstep_engine.runner.window_state import DecodeState, first_step_phase
 from lockstep_engine.sampler import Sampler
@@ -49,11 +50,10 @@ class SpecWindow:
         self.state, self.max_dec_len = state, max_dec_len
         steps = self.steps
         self.layout = QueryLayout(state.table, steps.block_size, steps.sink_slot, steps.max_model_len)
-        known = [seq.token_ids for seq in seqs]
-        width = max(map(len, known)) + 2 + int(state.max_steps.max()) + self.k
+        known = pad_rows([seq.token_ids for seq in seqs], 0)
+        width = known.shape[1] + 2 + int(state.max_steps.max()) + self.k  # room for every token the window takes
         history = torch.zeros(len(seqs), width, dtype=torch.int64)
-        for row, tokens in enumerate(known):
-            history[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        history[:, :known.shape[1]] = torch.from_numpy(known)
         self.history = history.to(steps.device)
         self.history.scatter_(1, state.positions.unsqueeze(1), state.tokens.unsqueeze(1))
 
