@@ -238,6 +238,8 @@ def api_server_count_error(args: argparse.Namespace) -> str | None:
                 f"(SO_REUSEPORT); use --api-server-count 1 with a Unix socket")
     if args.api_server_index is not None and not 0 <= args.api_server_index < count:
         return f"--api-server-index={args.api_server_index} is out of range: allowed 0..{count - 1}"
+    if args.api_server_index is not None and (args.engine_core_fd is None or args.run_dir is None):
+        return "--api-server-index is set by the supervisor of --api-server-count, with --engine-core-fd and --run-dir"
     return None
 
 
