@@ -163,13 +163,17 @@ def test_requests_land_on_every_api_server_and_any_scrape_gives_the_totals(serve
     # Each server's own part, as it publishes it for the others: every one served some of them.
     run_dir = next(iter(_api_servers(several).values()))
     run_dir = run_dir[run_dir.index("--run-dir") + 1]
-    own = []
+    own, delays = [], []
     for index in range(COUNT):
         with open(os.path.join(run_dir, f"api-server-{index}.metrics"), "rb") as handle:
-            counters = pickle.load(handle)[0][0]
+            (counters, _), registry = pickle.load(handle)
         own.append(sum(counters.get(n.REQUESTS_FINISHED, {}).values()))
+        delays += [value for _, _, _, samples in registry for name, _, value in samples
+                   if name == "lockstep_api_stream_delay_seconds_count"]
     assert all(count > 0 for count in own), own
     assert sum(own) == before + sent
+    # The API servers' own prometheus_client histogram (the earlier test's streamed chunks) is summed too.
+    assert sum(delays) > 0 and _scrape(several, "lockstep_api_stream_delay_seconds_count") == sum(delays)
 
 
 def test_a_client_that_disconnects_has_its_request_aborted(servers):
