@@ -90,6 +90,10 @@ def test_greedy_smollm2_with_ngram_is_the_targets_and_copying_accepts_many(make_
     copier = make_llm(num_scheduler_steps=steps, speculative_config=NGRAM)
     copier.generate(inputs[:1], params)
     assert _rate(copier) > 0.5, copier.engine.core.stats.spec
+    # Alone, a row whose suffix is rarely found earlier runs plain decode steps where it finds none.
+    chat = make_llm(num_scheduler_steps=steps, speculative_config=NGRAM)
+    assert _token_ids(chat.generate(inputs[2:], params)) == expected[2:]
+    assert chat.engine.core.stats.spec.num_drafts < 32
 
 
 @pytest.mark.parametrize("steps", [1, 8])

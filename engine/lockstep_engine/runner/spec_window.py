@@ -71,11 +71,14 @@ class SpecWindow:
 
     def step(self, number: int) -> None:
         """Speculative step `number` of the window (1-based); its tokens go to the host."""
-        state, k, steps = self.state, self.k, self.steps
+        state, steps = self.state, self.steps
         rows = state.tokens.shape[0]
         # Longest context this step can see: the window's longest row plus K + 1 per earlier step.
-        max_seq_len = self.max_dec_len + number * (k + 1)
+        max_seq_len = self.max_dec_len + number * (self.k + 1)
         drafts, q, proposed = self.propose(max_seq_len)
+        if q is None and not bool(proposed.any()):
+            drafts = drafts[:, :0]  # no row found its suffix earlier: a plain decode step, no K wasted positions
+        k = drafts.shape[1]
         offsets = torch.arange(k + 1, device=steps.device)
         at = state.positions.unsqueeze(1) + offsets  # [rows, K + 1]
         ids = torch.cat((state.tokens.unsqueeze(1), drafts), dim=1)
@@ -96,7 +99,7 @@ class SpecWindow:
     def _advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
         """Takes each row's accepted drafts and bonus token, cut at its first stop token and at what it may
         still take; moves its state on by that count. Returns the counts [rows]."""
-        state, k = self.state, self.k
+        state, k = self.state, tokens.shape[1] - 1
         valid = ~state.done
         offsets = torch.arange(k + 1, device=tokens.device).unsqueeze(0)
         is_stop = (tokens.unsqueeze(2) == state.sampling.stop_ids.unsqueeze(1)).any(dim=2)  # [rows, K + 1]
@@ -130,7 +133,7 @@ class SpecWindow:
         started = time.perf_counter()
         tokens, count, finish = tokens.tolist(), count.tolist(), self.finish.tolist()
         if logprobs is not None:
-            logprobs = [x.view(len(count), self.k + 1, *x.shape[1:]).tolist() if x is not None else None
+            logprobs = [x.view(len(count), len(tokens[0]), *x.shape[1:]).tolist() if x is not None else None
                         for x in logprobs]
         for j in range(max(count, default=0)):
             out = StepOutput(number, [row[j] if j < n else -1 for row, n in zip(tokens, count)],

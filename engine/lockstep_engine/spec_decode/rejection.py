@@ -84,7 +84,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_q: torch.Tensor | N
                               t.seeds, steps, RESIDUAL_STREAM).view(rows, positions)
     accepted = accept.long().cumprod(dim=1).sum(dim=1)
     index = torch.arange(positions, device=logits.device).unsqueeze(0)
-    padded = torch.cat((drafts, drafts[:, :1]), dim=1)
+    padded = torch.nn.functional.pad(drafts, (0, 1))  # [rows, K + 1]: position K is never a draft
     sampled = torch.where(index < accepted.unsqueeze(1), padded, replacement)
     greedy = (t.temperature <= 0).view(rows, positions)[:, 0]
     tokens = torch.where(greedy.unsqueeze(1), greedy_tokens, sampled)
