@@ -205,8 +205,10 @@ def test_a_client_that_disconnects_has_its_request_aborted(servers):
                "four aborts counted")
 
 
-@pytest.mark.parametrize("victim", ["api-server", "core"])
+@pytest.mark.parametrize("victim", ["api-server", "core", "supervisor"])
 def test_kill_9_stops_the_whole_server_with_exit_1_and_leaves_no_process(victim):
+    """kill -9 of an API server or the core: exit 1. Of the supervisor itself: its API servers get SIGTERM and
+    drain, and the core stops after them."""
     server = Server("random:tiny", *ARGS, "--api-server-count", str(COUNT), "--shutdown-grace-period", "10",
                     name=f"lose-{victim}").wait_healthy()
     try:
@@ -216,16 +218,17 @@ def test_kill_9_stops_the_whole_server_with_exit_1_and_leaves_no_process(victim)
         threads = [_stream(server, [4, i, 4], 300, results, i, started[i]) for i in range(6)]
         for event in started:
             assert event.wait(60)
-        target = next(iter(_api_servers(server))) if victim == "api-server" else _core(server)
+        target = {"api-server": lambda: next(iter(_api_servers(server))), "core": lambda: _core(server),
+                  "supervisor": lambda: server.process.pid}[victim]()
         os.kill(target, signal.SIGKILL)
-        assert server.process.wait(60) == 1
+        assert server.process.wait(60) == (-signal.SIGKILL if victim == "supervisor" else 1)
         for thread in threads:
             thread.join(30)
         assert not any(thread.is_alive() for thread in threads)
         # A stream either ended in full (the surviving server drained it) or got an error; none hung.
         assert all(error is not None or (len(tokens), finish) == (300, "length")
                    for tokens, finish, error in results.values()), results
-        wait_until(lambda: not any(_alive(pid) for pid in family), 10, "no process of the server left")
+        wait_until(lambda: not any(_alive(pid) for pid in family), 30, "no process of the server left")
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{server.url}/health", timeout=5)
     finally:
