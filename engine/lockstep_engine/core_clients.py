@@ -19,6 +19,7 @@ No import of torch: tested on plain data.
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import itemgetter
 
 from lockstep_engine import protocol as p
 
@@ -33,7 +34,7 @@ class ClientRouter:
         self._owner: dict[str, int] = {}
         self._dead_once: set[str] = set()  # not in the core at the last `prune`
         self._split_window: tuple | None = None  # (window, request_ids list) of the cached split
-        self._split: dict[int, list[int]] = {}  # API server -> the window's row indices it owns
+        self._split: dict[int, Callable] = {}  # API server -> picks its rows out of a step's tokens
         self._columns: dict[int, tuple] = {}  # API server -> its share of the window's columns
 
     # ---- ownership ---------------------------------------------------------------------------
@@ -106,15 +107,24 @@ class ClientRouter:
         key = (batch.window, id(batch.request_ids))
         if self._split_window != key:
             self._split_window = key
-            self._split, self._columns = {}, {}
+            rows: dict[int, list[int]] = {}
             for row, rid in enumerate(batch.request_ids):
                 client = self._owner.get(rid)
                 if client is not None:
-                    self._split.setdefault(client, []).append(row)
-            for client, rows in self._split.items():
-                self._columns[client] = ([batch.request_ids[i] for i in rows], [batch.indices[i] for i in rows],
-                                         [batch.num_cached_tokens[i] for i in rows],
-                                         [batch.scheduled_at[i] for i in rows])
+                    rows.setdefault(client, []).append(row)
+            self._split = {client: _picker(mine) for client, mine in rows.items()}
+            self._columns = {client: tuple(list(pick(column)) for column in (
+                batch.request_ids, batch.indices, batch.num_cached_tokens, batch.scheduled_at))
+                for client, pick in self._split.items()}
         tokens = batch.token_ids
-        return {client: p.TokenBatch(*self._columns[client], [tokens[i] for i in rows], batch.window)
-                for client, rows in self._split.items()}
+        return {client: p.TokenBatch(*self._columns[client], list(pick(tokens)), batch.window)
+                for client, pick in self._split.items()}
+
+
+def _picker(rows: list[int]) -> Callable:
+    """A function that picks `rows` out of a sequence as a tuple: `itemgetter`, in C (a list comprehension
+    cost the core's loop three times as much per step at 256 rows)."""
+    if len(rows) == 1:
+        row = rows[0]
+        return lambda values: (values[row],)
+    return itemgetter(*rows)
