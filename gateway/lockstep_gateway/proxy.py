@@ -126,7 +126,7 @@ class Proxy:
         now = time.monotonic()
         backends = self.registry.backends
         chosen = self.router.choose([b.candidate(now) for b in backends.values()],
-                                    Ask(job.model, job.hints, frozenset(tried)))
+                                    Ask(job.model, job.hints, frozenset(tried), tuple(backends)))
         return None if chosen is None else backends[chosen.url]
 
     def _engine_changed(self, backend: Backend, event: str) -> None:

@@ -1,5 +1,5 @@
 """Session affinity: requests of one session (the `--session-header`, else the OpenAI `user` field) go to
-one engine, their place on a consistent-hash ring of every engine routing was offered, so only the
+one engine, their place on a consistent-hash ring of every engine known (`Ask.offered`), so only the
 sessions of an engine that leaves or joins move. The session's engine is the first candidate on the ring
 in the key's order: when a filter removed its engine (down, saturated, already tried), the session goes
 to the next one on the ring, the same for every request of the session."""
@@ -35,9 +35,9 @@ class SessionAffinity(Scorer):
         if key is None:
             return [0.0] * len(candidates)
         # A ring of more members orders the candidates as a ring of the candidates alone would (the others
-        # are skipped in the same walk): one ring of every engine offered serves whatever the filters left.
+        # are skipped in the same walk): one ring of every engine known serves whatever the filters left.
         wanted = {c.url for c in candidates}
-        ring = self._ring(tuple(sorted(ask.offered or wanted)))
+        ring = self._ring(tuple(sorted(wanted.union(ask.offered))))
         sticky = next(url for url in ring.preference(key) if url in wanted)
         return [1.0 if c.url == sticky else 0.0 for c in candidates]
 

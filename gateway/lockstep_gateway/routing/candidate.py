@@ -97,4 +97,4 @@ class Ask:
     model: str
     hints: Mapping[str, object] = field(default_factory=dict)  # scorer name -> what it read at admission
     tried: frozenset[str] = frozenset()
-    offered: tuple[str, ...] = ()  # every engine routing was offered, before the filters (`Router.choose`)
+    offered: tuple[str, ...] = ()  # every engine known, filtered or not, in any order (affinity's ring)

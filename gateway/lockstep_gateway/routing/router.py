@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from lockstep_gateway.routing.candidate import Ask, Candidate, Incoming, Settings
 from lockstep_gateway.routing.filters import DEFAULT_FILTERS, Filter
@@ -39,7 +39,6 @@ class Router:
 
     def choose(self, candidates: Sequence[Candidate], ask: Ask) -> Candidate | None:
         """The engine for the request among `candidates` (every engine known), None when no engine may take it."""
-        ask = replace(ask, offered=tuple(sorted(c.url for c in candidates)))
         for keep in self.policy.filters:
             candidates = keep(candidates, ask, self.settings)
             if not candidates:
