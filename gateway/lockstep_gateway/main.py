@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     discovery.add_argument("--kubeconfig", default=None,
                            help="outside a pod: the kubeconfig to use (default $KUBECONFIG, ~/.kube/config)")
     routing = parser.add_argument_group("routing")
-    routing.add_argument("--routing", default=DEFAULTS.routing, choices=ROUTING_POLICIES)
+    routing.add_argument("--routing", default=DEFAULTS.routing, choices=ROUTING_POLICIES,
+                         help="how an engine is chosen for a request (docs/GATEWAY.md, Routing)")
     routing.add_argument("--session-header", default=DEFAULTS.session_header,
                          help="requests with this header (else with the same 'user') stick to one engine")
     routing.add_argument("--session-affinity", action=argparse.BooleanOptionalAction, default=DEFAULTS.session_affinity)
