@@ -8,6 +8,9 @@ The router on plain data first, then the core process itself over its per-API-se
 import multiprocessing
 import time
 
+import pytest
+
+from lockstep_engine import core_process
 from lockstep_engine import protocol as p
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.core_clients import ClientRouter
@@ -90,6 +93,20 @@ def test_owners_are_forgotten_one_round_after_the_core_forgot_the_request():
     router.send(p.StepOutputs([p.SequenceOutput("a", 0, [1], None, "stop")], 1.0))
     router.prune(lambda rid: False)
     assert router.owner("a") is None and len(writers[0].sent) == 1
+
+
+def test_an_api_server_that_stops_reading_is_dropped_not_waited_for(monkeypatch):
+    """Its backlog in the core is bounded: past it, its pipe is shut (it reads the end) and it leaves."""
+    monkeypatch.setattr(core_process, "MAX_CLIENT_BACKLOG", 3)
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    lost = []
+    writer = core_process._Writer(ours, None, 1, lost.append)  # its thread never runs: nothing is sent
+    for _ in range(5):
+        writer.send(p.EngineStats())
+    assert lost == [1] and writer.outbox.qsize() == 3
+    assert theirs.poll(5)
+    with pytest.raises(EOFError):
+        theirs.recv()
 
 
 # ---- the core process ---------------------------------------------------------------------------------------
