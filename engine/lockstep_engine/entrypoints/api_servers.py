@@ -84,7 +84,7 @@ def supervise(argv: list[str], host: str, port: int, count: int, config, grace_s
                  "--api-server-index", str(index), "--engine-core-fd", str(theirs.fileno()), "--run-dir", run_dir],
                 stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], preexec_fn=die_with_parent)
             theirs.close()
-        log(f"{count} API servers on http://{host}:{port} (pids {', '.join(str(s.pid) for s in servers.values())}), "
+        log(f"{count} API servers on {host}:{port} (pids {', '.join(str(s.pid) for s in servers.values())}), "
             f"engine core pid {core.pid}")
         while servers or core.is_alive():
             for index, server in list(servers.items()):

@@ -262,19 +262,20 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, config, settings = parse_args(argv)
-    if args.api_server_count > 1 and args.api_server_index is None:
-        from lockstep_engine.entrypoints.api_servers import supervise
-
-        return supervise(argv, args.host, args.port, args.api_server_count, config, args.shutdown_grace_period)
     if args.api_server_index is not None:
         from lockstep_engine.entrypoints.api_servers import api_server_group
 
         settings.group = api_server_group(args.api_server_index, args.api_server_count, args.run_dir,
                                           args.engine_core_fd)
+    # Another listener on the port, SO_REUSEPORT or not, fails this plain bind (the API servers' own do not).
     taken = None if args.uds or settings.group is not None else port_taken(args.host, args.port)
     if taken is not None:
         log(f"error: --port {args.port}: cannot listen on {args.host}: {taken} (is the port taken?)")
         return 1
+    if args.api_server_count > 1 and settings.group is None:
+        from lockstep_engine.entrypoints.api_servers import supervise
+
+        return supervise(argv, args.host, args.port, args.api_server_count, config, args.shutdown_grace_period)
     app = build_app(config, settings)
     state = app.state.server
     if args.disable_fastapi_docs:
