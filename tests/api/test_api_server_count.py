@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -243,3 +244,17 @@ def test_a_bad_value_is_refused_naming_the_flag(flags, message):
     done = subprocess.run([sys.executable, "-m", "lockstep.cli", "serve", "random:tiny", *flags], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_port_another_reuseport_listener_holds_is_refused():
+    """SO_REUSEPORT would let the API servers share the port with any listener of the same user that set it too:
+    the port is checked with a plain bind first."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "lockstep.cli", "serve", "random:tiny", "--host", "127.0.0.1",
+                               "--port", str(port), "--api-server-count", "2"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+    assert done.returncode == 1 and f"--port {port}: cannot listen on 127.0.0.1" in done.stderr, done.stderr
