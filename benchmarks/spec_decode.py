@@ -68,7 +68,8 @@ def main() -> None:
             counts = llm.engine.core.stats.spec
             row = {"task": task, "k": k, "tokens": len(tokens), "prompt_tokens": len(prompt),
                    "target_steps": spec_steps, "tokens_per_step": len(tokens) / spec_steps,
-                   "acceptance_rate": counts.acceptance_rate, "accepted_per_pos": list(counts.accepted_per_pos),
+                   "acceptance_rate": counts.num_accepted_tokens / max(counts.num_draft_tokens, 1),
+                   "accepted_per_pos": list(counts.accepted_per_pos),
                    "num_drafts": counts.num_drafts, "spec_s": spec_s, "base_s": base_s, "base_steps": base_steps,
                    "speedup": base_s / spec_s}
             results.append(row)
