@@ -14,7 +14,7 @@ from lockstep_gateway.routing import filters
 from lockstep_gateway.routing.affinity import HashRing, SessionAffinity
 from lockstep_gateway.routing.candidate import Ask, Candidate, EngineLoad, Incoming, Settings
 from lockstep_gateway.routing.kv_cache import KVCacheHeadroom
-from lockstep_gateway.routing.picker import pick, weighted_sum
+from lockstep_gateway.routing.picker import add_scores, pick, runaway
 from lockstep_gateway.routing.prefix import PREFIX_BLOCK_TOKENS, PrefixCache
 from lockstep_gateway.routing.registry import POLICIES, build_policy
 from lockstep_gateway.routing.router import Router
@@ -124,23 +124,32 @@ def test_kv_cache_headroom_scores_free_cache_in_tenths_and_nothing_without_a_fre
 
 
 # ---- picker ----------------------------------------------------------------------------------------------
-def test_weighted_sum_adds_weight_times_score_per_candidate():
-    assert weighted_sum([(2.0, [1.0, 0.0, 0.5]), (1.0, [0.0, 1.0, 1.0])], 3) == [2.0, 1.0, 2.0]
+def test_scores_add_up_weighted_per_candidate():
+    totals = [0.0, 0.0, 0.0]
+    add_scores(totals, 2.0, [1.0, 0.0, 0.5])
+    add_scores(totals, 1.0, [0.0, 1.0, 1.0])
+    assert totals == [2.0, 1.0, 2.0]
+
+
+def test_a_lead_larger_than_the_weight_still_to_come_decides_early():
+    assert runaway([2.0, 0.0, 0.0], weight_to_come=1.0) == 0
+    assert runaway([1.0, 0.0], weight_to_come=1.0) is None  # the next scorer may still tie it
+    assert runaway([0.0, 0.0], weight_to_come=0.0) is None  # equals: the picker's draw
+    assert runaway([0.0], weight_to_come=5.0) == 0
 
 
 def test_the_highest_weighted_sum_wins_whatever_the_tie_break_says():
     pool = [engine("a"), engine("b")]
-    assert pick(pool, [(1.0, [0.0, 1.0])], [10.0, -10.0], random.Random(0)).url == "http://b"
-    assert pick(pool, [(2.0, [1.0, 0.0]), (1.0, [0.0, 1.0])], [0.0, 0.0], random.Random(0)).url == "http://a"
+    assert pick(pool, [0.0, 1.0], [10.0, -10.0], random.Random(0)).url == "http://b"
 
 
 def test_among_equal_sums_two_are_drawn_and_the_better_tie_break_wins():
     pool = [engine(f"e{i}") for i in range(4)]
     rng = random.Random(1)
-    picks = Counter(pick(pool, [], [0.0, -1.0, -2.0, -3.0], rng).url for _ in range(2000))
+    picks = Counter(pick(pool, [0.0] * 4, [0.0, -1.0, -2.0, -3.0], rng).url for _ in range(2000))
     assert "http://e3" not in picks  # the worst of four loses every draw it is in
     assert picks["http://e0"] > picks["http://e1"] > picks["http://e2"] > 0
-    assert {pick(pool[:2], [], [-5.0, -1.0], rng).url for _ in range(50)} == {"http://e1"}
+    assert {pick(pool[:2], [1.0, 1.0], [-5.0, -1.0], rng).url for _ in range(50)} == {"http://e1"}
 
 
 # ---- policies --------------------------------------------------------------------------------------------
@@ -194,6 +203,17 @@ def test_session_affinity_sticks_a_key_to_one_engine_and_falls_back_when_it_is_f
     fallback = chosen.choose(saturated, ask).url
     assert fallback != sticky and {chosen.choose(saturated, ask).url for _ in range(20)} == {fallback}
     assert chosen.choose(pool, ask).url == sticky  # back once it has room
+
+
+def test_a_session_request_leaves_the_round_robin_turn_where_it_was():
+    chosen = router("round-robin", affinity=True)
+    pool = [engine("a"), engine("b"), engine("c")]
+    keyless, keyed = Ask(MODEL), Ask(MODEL, hints(chosen, {}, {"x-session-id": "s1"}))
+    turns = []
+    for _ in range(3):
+        turns.append(chosen.choose(pool, keyless).url)
+        chosen.choose(pool, keyed)
+    assert turns == ["http://b", "http://c", "http://a"]
 
 
 def test_session_affinity_outweighs_the_policys_own_scorers():

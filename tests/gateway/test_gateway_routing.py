@@ -17,7 +17,7 @@ STALE = 3.0
 def pick_least_load(candidates, stale_after_s, rng):
     """Power of two choices by load: the picker with no preference scores."""
     loads = LeastLoad().score(candidates, Ask("m"), Settings(stale_after_s=stale_after_s))
-    return pick(candidates, [], loads, rng)
+    return pick(candidates, [0.0] * len(candidates), loads, rng)
 
 
 def test_power_of_two_choices_always_takes_the_lighter_of_two_engines():

@@ -12,18 +12,22 @@ from collections.abc import Sequence
 from lockstep_gateway.routing.candidate import Candidate
 
 
-def weighted_sum(scored: Sequence[tuple[float, Sequence[float]]], size: int) -> list[float]:
-    """Per candidate, the sum of weight x score over (weight, scores) pairs."""
-    totals = [0.0] * size
-    for weight, scores in scored:
-        for i, score in enumerate(scores):
-            totals[i] += weight * score
-    return totals
+def add_scores(totals: list[float], weight: float, scores: Sequence[float]) -> None:
+    """Adds one scorer's weight x score to each candidate's running total."""
+    for i, score in enumerate(scores):
+        totals[i] += weight * score
 
 
-def pick(candidates: Sequence[Candidate], scored: Sequence[tuple[float, Sequence[float]]],
-         tie_break: Sequence[float], rng: random.Random) -> Candidate:
-    totals = weighted_sum(scored, len(candidates))
+def runaway(totals: Sequence[float], weight_to_come: float) -> int | None:
+    """The candidate no scorer still to come can catch (scores are at most 1, so they add at most
+    `weight_to_come`): the later scorers need not be asked. None while the lead is not that large."""
+    leader = max(range(len(totals)), key=totals.__getitem__)
+    others = [total for i, total in enumerate(totals) if i != leader]
+    return leader if not others or totals[leader] - max(others) > weight_to_come else None
+
+
+def pick(candidates: Sequence[Candidate], totals: Sequence[float], tie_break: Sequence[float],
+         rng: random.Random) -> Candidate:
     best = max(totals)
     top = [i for i, total in enumerate(totals) if total == best]
     if len(top) == 1:

@@ -1,5 +1,9 @@
 """A policy put to work: filters, then scorers, then the picker, over snapshots of the engines; and the
-scorers' bookkeeping around it (what they read of a request, where it went, engines they forget)."""
+scorers' bookkeeping around it (what they read of a request, where it went, engines they forget).
+
+Scorers are asked in the policy's order and the asking stops once one candidate leads by more than the
+weights still to come: a session's engine is chosen without asking the prefix index or moving the
+round-robin turn."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from dataclasses import dataclass, field
 
 from lockstep_gateway.routing.candidate import Ask, Candidate, Incoming, Settings
 from lockstep_gateway.routing.filters import DEFAULT_FILTERS, Filter
-from lockstep_gateway.routing.picker import pick
+from lockstep_gateway.routing.picker import add_scores, pick, runaway
 from lockstep_gateway.routing.scorers import LeastLoad, Scorer
 
 
@@ -27,6 +31,7 @@ class Router:
         self.settings = settings
         self.rng = rng or random.Random()
         self._scorers = [scorer for scorer, _ in policy.scorers] + [policy.tie_break]
+        self._total_weight = sum(weight for _, weight in policy.scorers)
 
     def read(self, request: Incoming) -> dict[str, object]:
         """What the policy's scorers need of a request, by scorer name: kept with it for every choice."""
@@ -43,8 +48,15 @@ class Router:
             candidates = keep(candidates, ask, self.settings)
             if not candidates:
                 return None
-        scored = [(weight, scorer.score(candidates, ask, self.settings)) for scorer, weight in self.policy.scorers]
-        return pick(candidates, scored, self.policy.tie_break.score(candidates, ask, self.settings), self.rng)
+        totals = [0.0] * len(candidates)
+        weight_to_come = self._total_weight
+        for scorer, weight in self.policy.scorers:  # the heaviest first (build_policy puts affinity first)
+            add_scores(totals, weight, scorer.score(candidates, ask, self.settings))
+            weight_to_come -= weight
+            leader = runaway(totals, weight_to_come)
+            if leader is not None:  # e.g. a session's engine: the round-robin turn does not move for it
+                return candidates[leader]
+        return pick(candidates, totals, self.policy.tie_break.score(candidates, ask, self.settings), self.rng)
 
     def routed(self, url: str, hints: dict[str, object]) -> None:
         for scorer in self._scorers:
