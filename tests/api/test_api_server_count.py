@@ -258,3 +258,17 @@ def test_a_port_another_reuseport_listener_holds_is_refused():
                                "--port", str(port), "--api-server-count", "2"], cwd=REPO, capture_output=True,
                               text=True, timeout=60)
     assert done.returncode == 1 and f"--port {port}: cannot listen on 127.0.0.1" in done.stderr, done.stderr
+
+
+def test_health_waits_for_every_api_server_and_a_lost_one_turns_it_503(tmp_path):
+    """What /health adds with several API servers (ServerState.health_reason): all of them published, none lost."""
+    from lockstep_engine.api.peers import ApiServerGroup, Peers
+
+    mine = Peers(ApiServerGroup(0, 2, str(tmp_path)), lambda: ({}, {}))
+    mine.publish()
+    assert not mine.all_ready()  # the other server's core connection is not ready yet
+    other = Peers(ApiServerGroup(1, 2, str(tmp_path)), lambda: ({"x": {(): 2.0}}, {}))
+    other.publish()
+    assert mine.all_ready() and mine.others() == [({"x": {(): 2.0}}, {})]
+    os.remove(other.group.path(1))  # the supervisor forgets a lost server at once
+    assert not mine.all_ready()
