@@ -1,13 +1,14 @@
 """The routing policies by name (`--routing`): each a composition of filters, weighted scorers and the
 tie-break the picker uses among equals. A new policy is one module with a `policy()` that returns its
-`Policy`, plus one line in POLICIES (docs/GATEWAY.md, "Routing": kv_cache.py is the worked example)."""
+`Policy`, named in the import of the policy modules below and given one line in POLICIES (docs/GATEWAY.md,
+"Routing": kv_cache.py is the worked example)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
 
-from lockstep_gateway.routing import kv_cache
+from lockstep_gateway.routing import kv_cache  # the policies with a module of their own
 from lockstep_gateway.routing.affinity import SessionAffinity
 from lockstep_gateway.routing.candidate import Settings
 from lockstep_gateway.routing.prefix import PrefixCache
