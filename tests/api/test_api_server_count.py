@@ -103,7 +103,9 @@ def _stream(server: Server, prompt: list[int], max_tokens: int, results: dict, k
         try:
             with httpx.Client() as client, client.stream("POST", f"{server.url}/v1/completions", json=body,
                                                          timeout=120) as response:
-                for line in response.iter_lines():
+                if response.status_code != 200:
+                    error = f"HTTP {response.status_code}: {response.read().decode()}"
+                for line in response.iter_lines() if error is None else ():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
@@ -272,3 +274,21 @@ def test_health_waits_for_every_api_server_and_a_lost_one_turns_it_503(tmp_path)
     assert mine.all_ready() and mine.others() == [({"x": {(): 2.0}}, {})]
     os.remove(other.group.path(1))  # the supervisor forgets a lost server at once
     assert not mine.all_ready()
+
+
+def test_the_admission_limit_holds_over_all_api_servers():
+    """--max-num-seqs 4 --max-queued-requests 0 over 2 API servers: each admits 2, so however the kernel spreads
+    12 concurrent streams over the servers, at most 4 run and the rest get 503 at once."""
+    server = Server("random:tiny", *ARGS, "--api-server-count", str(COUNT), "--max-num-seqs", "4",
+                    "--max-queued-requests", "0", name="limits").wait_healthy()
+    try:
+        results: dict = {}
+        threads = [_stream(server, [6, i, 6], 600, results, i) for i in range(12)]
+        for thread in threads:
+            thread.join(120)
+        served = [key for key, (_, finish, error) in results.items() if error is None and finish == "length"]
+        refused = [key for key, (_, _, error) in results.items() if error and error.startswith("HTTP 503")]
+        assert len(served) + len(refused) == 12, results
+        assert 2 <= len(served) <= 4, results
+    finally:
+        assert server.stop() == 0
