@@ -9,7 +9,8 @@ concerns all (stats, metrics, readiness, a fatal failure) goes to every API serv
 every message goes straight to it and nothing is tracked.
 
 Request ids carry a random UUID (serving.py), so two API servers never send the same id; should they,
-the second request is refused (`own` answers False) rather than have its outputs go to the wrong server.
+the second request is refused (`own` answers False) rather than have its outputs go to the wrong server,
+and an abort ends only requests of the server that sent it.
 
 An API server that leaves (its pipe closed: exit, crash, kill -9; or `Shutdown`) is `remove`d: the core
 aborts its requests, so their KV blocks are freed at the window's end, and their outputs are dropped here.

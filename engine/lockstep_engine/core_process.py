@@ -159,6 +159,8 @@ class CoreLoop:
         elif isinstance(message, p.AbortRequests):
             outputs = []
             for request_id in message.request_ids:
+                if self.writer.owner(request_id) not in (client, None):
+                    continue  # another API server's request: only its own server may end it
                 self._abort_compiling(request_id)
                 outputs += self.core.abort_request(request_id)
             if outputs:

@@ -175,6 +175,10 @@ def test_the_core_serves_two_api_servers_in_one_batch_and_frees_what_a_lost_one_
         assert set(second.tokens) == {"second-long", "second-short"}
         assert first.tokens["first-short"] == second.tokens["second-short"]  # same prompt, same batch: greedy
         assert "already in use" in second.failed["first-long"].message
+        second.conn.send(p.AbortRequests(["first-long"]))  # not its request: the first server's goes on
+        so_far = len(first.tokens["first-long"])
+        first.receive_until(lambda: len(first.tokens["first-long"]) > so_far + 20, 60)
+        assert "first-long" not in first.finish
         first.conn.close()  # the first API server is lost: its long request must go, the second's goes on
         at_loss = len(second.tokens["second-long"])
         second.receive_until(lambda: len(second.tokens["second-long"]) > at_loss + 40, 60)
