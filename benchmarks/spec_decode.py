@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=8)
     parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3, 5])
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
     args = parser.parse_args()
     base = LLM("smollm2", num_scheduler_steps=args.num_scheduler_steps, kv_cache_memory_bytes=512 << 20,
                enable_prefix_caching=False)
@@ -59,7 +60,7 @@ def main() -> None:
         expected, base_s, base_steps = run(base, prompt, args.max_tokens)
         for k in args.num_speculative_tokens:
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.prompt_lookup_max,
-                    "prompt_lookup_min": 1}
+                    "prompt_lookup_min": args.prompt_lookup_min}
             llm = LLM("smollm2", share_model_with=base, num_scheduler_steps=args.num_scheduler_steps,
                       kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False, speculative_config=spec)
             tokens, spec_s, spec_steps = run(llm, prompt, args.max_tokens)

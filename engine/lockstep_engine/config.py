@@ -161,8 +161,9 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         return SpeculativeConfig(method, k, model=model, seed=seed)
     if "seed" in value:
         raise _field("seed", value["seed"], "no seed with method 'ngram' (it seeds a random draft model)")
-    high = _spec_int(value, "prompt_lookup_max", 1, 64, default=value.get("prompt_lookup_min", 4))
-    low = _spec_int(value, "prompt_lookup_min", 1, high, default=min(high, 1))
+    # vLLM's defaults: both 5 when neither is given, else the one given for the other
+    high = _spec_int(value, "prompt_lookup_max", 1, 64, default=value.get("prompt_lookup_min", 5))
+    low = _spec_int(value, "prompt_lookup_min", 1, high, default=high)
     return SpeculativeConfig(method, k, prompt_lookup_max=high, prompt_lookup_min=low)
 
 

@@ -279,7 +279,8 @@ def test_the_serve_flag_parses_and_refuses(capsys):
 
     _, config, _ = serve.parse_args(["random:tiny", "--speculative-config",
                                      '{"method": "ngram", "num_speculative_tokens": 2}'])
-    assert config.speculative_config.num_speculative_tokens == 2 and config.speculative_config.prompt_lookup_max == 4
+    spec = config.speculative_config
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (2, 5, 5)  # vLLM's
     with pytest.raises(SystemExit) as caught:
         serve.parse_args(["random:tiny", "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'])
     assert caught.value.code == 2
