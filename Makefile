@@ -48,12 +48,12 @@ test: install k8s-bins
 k8s-bins:
 	bash hack/kube/build.sh
 
-# One linter and formatter configuration for the tree (pyproject.toml [tool.ruff]) and the import contracts.
+# The linter (pyproject.toml [tool.ruff]) and the import contracts; formatting is not checked (pyproject.toml says why).
 lint: install
 	$(PYTHON) -m ruff check .
 	$(VENV)/bin/lint-imports
 
-# The formatter, with the same configuration (not yet enforced by `make lint`: the tree predates it).
+# The formatter, with the same configuration: optional, not checked by `make lint`.
 format: install
 	$(PYTHON) -m ruff format .
 
