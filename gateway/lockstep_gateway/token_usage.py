@@ -5,12 +5,17 @@ carries it."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lockstep_gateway.ratelimit import RateLimiter
 
-if TYPE_CHECKING:
-    from lockstep_gateway.proxy import Job
+
+class Job(Protocol):
+    """What accounting reads and marks of a relayed request (proxy.Job has it)."""
+
+    rate_key: str
+    estimated_tokens: int
+    settled: bool
 
 
 def total_tokens(usage) -> int | None:
