@@ -90,6 +90,8 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--max-num-seqs", str(spec.max_num_seqs)]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]
+    if spec.speculative_config is not None:
+        args += ["--speculative-config", spec.speculative_config]
     # The engine drains on SIGTERM (new requests get a retryable 503, running ones finish) for this
     # long, then aborts what is left; the rest of the pod's grace period is for the abort and the exit.
     args += ["--shutdown-grace-period", str(drain_seconds(spec))]

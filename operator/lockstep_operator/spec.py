@@ -8,6 +8,7 @@ silently ignored.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ OWNED_FLAGS = (
     "--max-num-seqs",
     "--max-model-len",
     "--served-model-name",
+    "--speculative-config",
 )
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _PVC_RE = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/[^/].*)?$")
@@ -122,6 +124,8 @@ class ServiceSpec:
     def fetched(self) -> bool:
         """Whether an init container fetches the model before the engine starts."""
         return self.source.startswith(("hf://", "http://", "https://"))
+    # spec.speculativeConfig as the engine's --speculative-config JSON; None: no speculation.
+    speculative_config: str | None = None
 
 
 
@@ -359,6 +363,9 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
             "spec.parallelism", f"tensor * pipeline ({world_size}) must be at most {MAX_RANKS_PER_GROUP}"
         )
 
+    if raw.get("speculativeConfig") is not None and world_size > 1:
+        raise SpecError("spec.speculativeConfig", f"needs tensor = pipeline = 1 (the engine speculates on one rank), "
+                                                  f"got tensor * pipeline = {world_size}")
     replicas = _int(raw, "replicas", "spec.replicas", 1, 0, 1024)
     startup_timeout = _int(startup, "timeoutSeconds", "spec.startup.timeoutSeconds", 1800, 30, 86400)
     assert replicas is not None and startup_timeout is not None
@@ -408,4 +415,41 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
         autoscaling=_check_autoscaling(raw.get("autoscaling")),
         termination_grace_seconds=grace,
         max_disrupted=_check_disruption_budget(_section(raw, "disruptionBudget")),
+        speculative_config=_check_speculative(raw.get("speculativeConfig")),
     )
+
+
+_SPECULATIVE_KEYS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
+                     "promptLookupMax": "prompt_lookup_max", "promptLookupMin": "prompt_lookup_min", "model": "model"}
+
+
+def _check_speculative(raw: Any) -> str | None:
+    """spec.speculativeConfig -> the engine's --speculative-config JSON (vLLM's keys), the CRD's rules again."""
+    if raw is None:
+        return None
+    field = "spec.speculativeConfig"
+    if not isinstance(raw, Mapping):
+        raise SpecError(field, f"must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise SpecError(f"{field}.{unknown[0]}", f"is not a field; expected {', '.join(_SPECULATIVE_KEYS)}")
+    method = raw.get("method")
+    if method not in ("ngram", "draft_model"):
+        raise SpecError(f"{field}.method", f"must be ngram or draft_model, got {method!r}")
+    k = _int(raw, "numSpeculativeTokens", f"{field}.numSpeculativeTokens", None, 1, 16)
+    if k is None:
+        raise SpecError(f"{field}.numSpeculativeTokens", "is required (1..16)")
+    high = _int(raw, "promptLookupMax", f"{field}.promptLookupMax", None, 1, 64)
+    low = _int(raw, "promptLookupMin", f"{field}.promptLookupMin", None, 1, 64)
+    model = raw.get("model")
+    if method == "draft_model":
+        if not isinstance(model, str) or not 1 <= len(model) <= 512:
+            raise SpecError(f"{field}.model", f"is required with method draft_model (the draft's source), got {model!r}")
+        if high is not None or low is not None:
+            raise SpecError(f"{field}.promptLookupMax", "promptLookupMax and promptLookupMin are only for method ngram")
+    elif model is not None:
+        raise SpecError(f"{field}.model", "is only for method draft_model")
+    if high is not None and low is not None and low > high:
+        raise SpecError(f"{field}.promptLookupMin", f"must be at most promptLookupMax ({high}), got {low}")
+    config = {_SPECULATIVE_KEYS[key]: value for key, value in raw.items()}
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))

@@ -169,6 +169,16 @@ def test_the_documented_upgrade_path_works(release, control_plane, kubectl):
         ({"rollout": {"maxSurge": "lots"}}, "rollout.maxSurge must be a count in 0..1024 or a percentage"),
         ({"rollout": {"maxUnavailable": "150%"}}, "rollout.maxUnavailable must be a count in 0..1024 or a percentage"),
         ({"engine": {"terminationGracePeriodSeconds": 1}}, "spec.engine.terminationGracePeriodSeconds: Invalid value"),
+        ({"speculativeConfig": {"method": "eagle", "numSpeculativeTokens": 3}},
+         'spec.speculativeConfig.method: Unsupported value: "eagle"'),
+        ({"speculativeConfig": {"method": "draft_model", "numSpeculativeTokens": 3}},
+         "speculativeConfig.model is required with method draft_model"),
+        ({"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMax": 2, "promptLookupMin": 4}},
+         "speculativeConfig.promptLookupMin must be at most promptLookupMax"),
+        ({"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 3},
+          "parallelism": {"tensor": 2, "pipeline": 1, "gpusPerPod": 2}},
+         "spec.speculativeConfig needs parallelism.tensor = parallelism.pipeline = 1"),
+        ({"engine": {"extraArgs": ["--speculative-config={}"]}}, "--served-model-name or --speculative-config"),
     ],
     ids=[
         "steps-0",
@@ -183,6 +193,11 @@ def test_the_documented_upgrade_path_works(release, control_plane, kubectl):
         "surge-not-a-percentage",
         "unavailable-over-100-percent",
         "grace-too-short",
+        "speculative-method-unknown",
+        "speculative-draft-without-model",
+        "speculative-lookup-min-over-max",
+        "speculative-with-tensor-parallel",
+        "speculative-flag-in-extra-args",
     ],
 )
 def test_the_api_server_rejects_invalid_specs(release, kubectl, namespace, change, message):
