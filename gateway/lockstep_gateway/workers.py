@@ -13,7 +13,8 @@ queue, rate-limit buckets, retry budget and circuit breakers: every such limit i
 Prometheus metrics are written by every worker into a directory the supervisor creates
 (prometheus_client's multiprocess mode); `/metrics` of any worker reports the sum over workers.
 
-SIGTERM or SIGINT to the supervisor is passed to every worker as SIGTERM; each drains as a one-process
+The workers are supervised as `lockstep_common.supervisor` does for every such set: SIGTERM or SIGINT to
+the supervisor is passed to every worker as SIGTERM (a second one again); each drains as a one-process
 gateway does, and the supervisor exits when they have (SIGKILL after `STOP_TIMEOUT_S`). A worker that
 exits by itself stops the gateway: the supervisor stops the others and exits with that worker's code
 (1 if it was 0), so that its supervisor (Kubernetes, systemd) restarts it whole rather than serving on
@@ -25,13 +26,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from lockstep_common.sockets import bind_sockets, die_with_parent
+from lockstep_common.supervisor import Supervisor
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it when imported
 STOP_TIMEOUT_S = 30.0
@@ -48,49 +48,27 @@ def supervise(argv: list[str], host: str, port: int, workers: int) -> int:
     port = reserved[0].getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="lockstep-gateway-metrics-")
     env = {**os.environ, MULTIPROC_ENV: metrics_dir}
-    children: dict[int, tuple[int, subprocess.Popen]] = {}
-    stop_deadline: list[float] = []  # set once stopping began
-
-    def stop(*_) -> None:
-        if not stop_deadline:
-            stop_deadline.append(time.monotonic() + STOP_TIMEOUT_S)
-            for _, child in children.values():
-                if child.poll() is None:
-                    child.send_signal(signal.SIGTERM)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 0
+
+    def exited(name: str, status: int, stopping: bool) -> None:
+        nonlocal code
+        if not stopping:
+            log.error("gateway %s exited with %d; stopping the gateway", name, status)
+            code = status or 1
+        elif status and not code:
+            code = status if status > 0 else 0  # -SIGTERM after our SIGTERM is a clean stop
+
     try:
-        for index in range(workers):
-            # A session of its own: a terminal's Ctrl-C reaches the supervisor, which stops the workers once.
-            child = subprocess.Popen([sys.executable, "-m", "lockstep_gateway.main", *argv, "--port", str(port),
-                                      "--worker-index", str(index)], env=env, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=die_with_parent)
-            children[child.pid] = (index, child)
-        log.info("starting %d workers on http://%s:%d", workers, host, port)
-        while children:
-            for pid, (index, child) in list(children.items()):
-                status = child.poll()
-                if status is None:
-                    continue
-                del children[pid]
-                if not stop_deadline:
-                    log.error("gateway worker %d (pid %d) exited with %d; stopping the gateway", index, pid, status)
-                    code = status or 1
-                    stop()
-                elif status and not code:
-                    code = status if status > 0 else 0  # -SIGTERM after our SIGTERM is a clean stop
-            if stop_deadline and time.monotonic() > stop_deadline[0]:
-                for _, child in children.values():
-                    child.kill()
-            time.sleep(0.1)
+        with Supervisor(STOP_TIMEOUT_S) as group:
+            for index in range(workers):
+                # A session of its own: a terminal's Ctrl-C reaches the supervisor alone, which stops the workers.
+                child = subprocess.Popen([sys.executable, "-m", "lockstep_gateway.main", *argv, "--port", str(port),
+                                          "--worker-index", str(index)], env=env, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=die_with_parent)
+                group.add(f"worker {index} (pid {child.pid})", child)
+            log.info("starting %d workers on http://%s:%d", workers, host, port)
+            group.run(exited)
     finally:
-        stop()
-        for _, child in children.values():
-            child.kill()
-            child.wait()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for sock in reserved:
             sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)

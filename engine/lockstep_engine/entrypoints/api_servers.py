@@ -36,9 +36,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from lockstep_common.sockets import bind_sockets, die_with_parent
+from lockstep_common.supervisor import Supervisor
 from lockstep_engine.api import core_launch
 from lockstep_engine.api.peers import ApiServerGroup
 from lockstep_engine.log import log
@@ -61,63 +61,54 @@ def supervise(argv: list[str], host: str, port: int, count: int, config, grace_s
     pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
     core = ctx.Process(target=core_launch.run_core, args=(CORE_ENTRY_POINT, config, [ours for ours, _ in pipes]),
                        name="lockstep-engine-core")
-    servers: dict[int, subprocess.Popen] = {}
-    stopping: list[float] = []  # the deadline, once stopping began
     code = 0
+    indexes: dict[str, int] = {}  # each API server's index, by its name in the supervisor
 
-    def stop(sig=None, _frame=None) -> None:
-        if stopping and sig is not None:  # a second signal: the API servers stop at once
-            _signal_all(servers, signal.SIGTERM)
-            return
+    def exited(name: str, status: int, stopping: bool) -> None:
+        nonlocal code
         if not stopping:
-            stopping.append(time.monotonic() + grace_s + STOP_MARGIN_S)
-            _signal_all(servers, signal.SIGTERM)
+            log(f"error: {name} exited with {status}; stopping lockstep serve")
+            _forget(run_dir, indexes[name])
+            code = 1
+        elif status != 0 and status != -signal.SIGTERM:
+            code = 1
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def core_alive() -> bool:
+        nonlocal code
+        alive = core.is_alive()
+        if not alive and not group.stopping:
+            log(f"error: the engine core exited with {core.exitcode}; stopping lockstep serve")
+            code = 1
+            group.stop()
+        return alive
+
+    def past_deadline() -> None:
+        nonlocal code
+        log("error: processes left past the shutdown deadline: killing them")
+        code = 1
+
     try:
-        core.start()
-        for ours, _ in pipes:
-            ours.close()
-        for index, (_, theirs) in enumerate(pipes):
-            servers[index] = subprocess.Popen(
-                [sys.executable, "-m", "lockstep_engine.entrypoints.serve", *argv, "--port", str(port),
-                 "--api-server-index", str(index), "--engine-core-fd", str(theirs.fileno()), "--run-dir", run_dir],
-                stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], preexec_fn=die_with_parent)
-            theirs.close()
-        log(f"{count} API servers on {host}:{port} (pids {', '.join(str(s.pid) for s in servers.values())}), "
-            f"engine core pid {core.pid}")
-        while servers or core.is_alive():
-            for index, server in list(servers.items()):
-                status = server.poll()
-                if status is None:
-                    continue
-                del servers[index]
-                if not stopping:
-                    log(f"error: API server {index} (pid {server.pid}) exited with {status}; stopping lockstep serve")
-                    _forget(run_dir, index)
-                    code = 1
-                    stop()
-                elif status != 0 and status != -signal.SIGTERM:
-                    code = 1
-            if not core.is_alive() and not stopping:
-                log(f"error: the engine core exited with {core.exitcode}; stopping lockstep serve")
-                code = 1
-                stop()
-            if stopping and time.monotonic() > stopping[0]:
-                log("error: processes left past the shutdown deadline: killing them")
-                code = 1
-                break
-            time.sleep(POLL_S)
+        with Supervisor(grace_s + STOP_MARGIN_S, POLL_S) as group:
+            core.start()
+            for ours, _ in pipes:
+                ours.close()
+            for index, (_, theirs) in enumerate(pipes):
+                server = subprocess.Popen(
+                    [sys.executable, "-m", "lockstep_engine.entrypoints.serve", *argv, "--port", str(port),
+                     "--api-server-index", str(index), "--engine-core-fd", str(theirs.fileno()), "--run-dir", run_dir],
+                    stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], preexec_fn=die_with_parent)
+                theirs.close()
+                name = f"API server {index} (pid {server.pid})"
+                indexes[name] = index
+                group.add(name, server)
+            log(f"{count} API servers on {host}:{port} (pids {', '.join(str(s.pid) for s in group.children.values())}), "
+                f"engine core pid {core.pid}")
+            group.run(exited, core_alive, past_deadline)
     finally:
-        for server in servers.values():
-            server.kill()
-            server.wait()
         if core.pid is not None and core.is_alive():
             core.kill()
         if core.pid is not None:
             core.join(10.0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for sock in reserved:
             sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -130,12 +121,6 @@ def api_server_group(index: int, count: int, run_dir: str, core_fd: int) -> ApiS
 
     os.set_inheritable(core_fd, False)
     return ApiServerGroup(index, count, run_dir, Connection(core_fd))
-
-
-def _signal_all(servers: dict[int, subprocess.Popen], sig: int) -> None:
-    for server in servers.values():
-        if server.poll() is None:
-            server.send_signal(sig)
 
 
 def _forget(run_dir: str, index: int) -> None:
