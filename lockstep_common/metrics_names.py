@@ -11,6 +11,7 @@ routers and autoscalers built for vLLM read a Lockstep engine as they read vLLM,
 from __future__ import annotations
 
 import math
+from collections.abc import Container, Iterator
 
 
 def one_two_five(low: float, high: float) -> tuple[float, ...]:
@@ -125,25 +126,37 @@ OPERATOR_GROUP_RESTARTS = "lockstep_operator_group_restarts_total"
 OPERATOR_GROUP_UPDATES = "lockstep_operator_group_updates_total"
 
 
-def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text format -> {(name, sorted label pairs): value}; comments and timestamps dropped.
+def iter_samples(text: str, names: Container[str] | None = None) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Each sample of a Prometheus text exposition as (name, labels, value); comments, timestamps and lines
+    that are not a well-formed sample are skipped. With `names`, only those series (the others' labels are
+    not even split). The one reader of this text in the project: the gateway's load scrape, the operator's
+    autoscaler and the tests.
 
-    Enough for the series this project exports (label values hold no escaped quotes or commas
-    followed by `="`), which is what a router reading a few gauges, or a test, needs.
+    Enough for the series this project reads (label values hold no escaped quotes or commas followed by
+    `="`), which is what a router reading a few gauges, or a test, needs.
     """
-    samples = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
-        if "{" in line:
-            name, rest = line.split("{", 1)
-            body, value = rest.rsplit("}", 1)
-            labels = tuple(sorted(_split_labels(body)))
-        else:
-            name, value = line.split(" ", 1)
-            labels = ()
-        samples[(name, labels)] = float(value.split()[0])
-    return samples
+        brace, space = line.find("{"), line.find(" ")
+        labelled = brace != -1 and (space == -1 or brace < space)
+        name = line[:brace] if labelled else line[:space] if space != -1 else line
+        if names is not None and name not in names:
+            continue
+        try:
+            if labelled:
+                body, value = line[brace + 1 :].rsplit("}", 1)
+                labels = dict(_split_labels(body))
+            else:
+                labels, value = {}, line[space + 1 :]
+            yield name, labels, float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+
+
+def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text format -> {(name, sorted label pairs): value} (`iter_samples`, in a dict)."""
+    return {(name, tuple(sorted(labels.items()))): value for name, labels, value in iter_samples(text)}
 
 
 def _split_labels(body: str):

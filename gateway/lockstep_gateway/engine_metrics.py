@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lockstep_common import vllm_metrics as v
+from lockstep_common.metrics_names import iter_samples
 from lockstep_gateway.routing.candidate import EngineLoad
 
 _GAUGES = {
@@ -15,18 +16,8 @@ _GAUGES = {
 def parse_engine_load(text: str) -> EngineLoad | None:
     """Sum each gauge over its label sets (one per served model); None when the engine exports none."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        field = _GAUGES.get(name)
-        if field is None:
-            continue
-        rest = line.rsplit("}", 1)[1] if "{" in line else line.split(" ", 1)[1]
-        try:
-            value = float(rest.split()[0])  # an optional timestamp may follow the value
-        except (IndexError, ValueError):
-            continue
+    for name, _, value in iter_samples(text, _GAUGES):
+        field = _GAUGES[name]
         values[field] = values.get(field, 0.0) + value
     if not values:
         return None

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from lockstep_common.metrics_names import iter_samples
+
 
 @dataclass(frozen=True)
 class Autoscaling:
@@ -80,18 +82,5 @@ def desired_replicas(
 
 def gauge_sum(text: str, name: str, labels: Mapping[str, str] | None = None) -> float:
     """The sum of one gauge's samples in a Prometheus text exposition, those with `labels` only."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        rest = line[len(name):]
-        if rest[:1] not in ("{", " "):
-            continue  # another metric whose name starts with this one
-        sample_labels, _, value = rest.rpartition("}") if rest.startswith("{") else ("", "", rest)
-        if labels and not all(f'{k}="{v}"' in sample_labels for k, v in labels.items()):
-            continue
-        try:
-            total += float(value.split()[0])
-        except (ValueError, IndexError):
-            continue
-    return total
+    wanted = (labels or {}).items()
+    return sum(value for _, found, value in iter_samples(text, (name,)) if all(found.get(k) == v for k, v in wanted))
