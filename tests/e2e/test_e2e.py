@@ -448,10 +448,16 @@ def test_prometheus_scrapes_leaders_not_workers(kubectl: Kubectl, helm_config, t
             process.wait(timeout=30)
 
 
-def test_helm_test_passes(helm_config) -> None:
+def test_helm_test_passes(helm_config, kubectl: Kubectl) -> None:
     with scenario("helm test"):
-        # A failing test pod raises HelmReleaseError; the logs show what the pod checked.
-        result = helm_config.test(RELEASE, timeout=300, logs=True)
+        # A failing test pod raises HelmReleaseError (the pod stays: its hook is deleted on success only);
+        # the failure then carries what the pod printed and the gateway pods' state.
+        try:
+            result = helm_config.test(RELEASE, timeout=300, logs=True)
+        except Exception as error:
+            pod_logs = kubectl.run("logs", "-n", NAMESPACE, f"{RELEASE}-test-gateway", check=False)
+            gateways = kubectl.run("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False)
+            raise AssertionError(f"{error}\ntest pod: {pod_logs.stdout}{pod_logs.stderr}\npods:\n{gateways.stdout}") from None
         logs = str(result.get("logs", "") if isinstance(result, dict) else result)
         say(f"helm test logs: {logs.strip()[:400]!r}")
         assert "GET /health: 200" in logs, logs
