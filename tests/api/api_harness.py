@@ -6,11 +6,13 @@ OpenMP spin-waits under contention.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -105,3 +107,39 @@ class Server:
                 self.process.wait(10)
         self._log.close()
         return self.process.returncode
+
+
+def stream_in_thread(server: "Server", prompt: list[int], max_tokens: int, results, key,
+                     started: threading.Event | None = None) -> threading.Thread:
+    """Streams one greedy completion (`ignore_eos`, logprobs on) on a connection of its own, in a thread;
+    results[key] = (token strings, finish reason, error). `started` is set at the first chunk (and at the end)."""
+
+    def run():
+        tokens, finish, error = [], None, None
+        body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0, "logprobs": 0, "stream": True}
+        try:
+            with httpx.Client() as client, client.stream("POST", f"{server.url}/v1/completions", json=body,
+                                                         timeout=120) as response:
+                if response.status_code != 200:
+                    error = f"HTTP {response.status_code}: {response.read().decode()}"
+                for line in response.iter_lines() if error is None else ():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"]
+                        break
+                    tokens += chunk["choices"][0]["logprobs"]["tokens"]
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                    if started is not None:
+                        started.set()
+        except httpx.HTTPError as exc:
+            error = repr(exc)
+        results[key] = (tokens, finish, error)
+        if started is not None:
+            started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread

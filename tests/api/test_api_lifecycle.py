@@ -1,6 +1,5 @@
 """Graceful shutdown and a dead engine core, each on a server of its own."""
 
-import json
 import os
 import signal
 import threading
@@ -8,34 +7,18 @@ import threading
 import httpx
 import pytest
 
-from api_harness import Server
+from api_harness import Server, stream_in_thread
 from polling import wait_until
 
 
 def start_stream(server: Server, max_tokens: int, results: list, index: int, first_chunk: threading.Event):
-    """Streams one request in a thread; records (tokens, finish_reason, error) into results[index]."""
+    """Streams one request in a thread; results[index] = (token count, finish_reason, error)."""
+    streamed: dict = {}
 
     def run():
-        tokens, finish, error = 0, None, None
-        body = {"model": server.model, "prompt": [5, 6, 7 + index], "max_tokens": max_tokens, "ignore_eos": True,
-                "logprobs": 0, "stream": True}
-        try:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        error = chunk["error"]
-                        break
-                    choice = chunk["choices"][0]
-                    tokens += len(choice["logprobs"]["tokens"])
-                    finish = choice["finish_reason"] or finish
-                    first_chunk.set()
-        except httpx.HTTPError as exc:
-            error = repr(exc)
-        results[index] = (tokens, finish, error)
-        first_chunk.set()
+        stream_in_thread(server, [5, 6, 7 + index], max_tokens, streamed, index, first_chunk).join()
+        tokens, finish, error = streamed[index]
+        results[index] = (len(tokens), finish, error)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

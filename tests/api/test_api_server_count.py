@@ -7,7 +7,6 @@ that disconnects has its request aborted; kill -9 of one API server, or of the c
 server with exit 1 and leaves no process behind.
 """
 
-import json
 import os
 import pickle
 import signal
@@ -20,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_harness import REPO, Server
+from api_harness import REPO, Server, stream_in_thread
 from lockstep_common import metrics_names as n
 from lockstep_common import vllm_metrics as v
 from polling import wait_until
@@ -93,40 +92,6 @@ def _settled_total(server: Server) -> float:
     return wait_until(agreed, 10, "scrapes that agree")
 
 
-def _stream(server: Server, prompt: list[int], max_tokens: int, results: dict, key, started=None) -> threading.Thread:
-    """Streams one greedy completion on a connection of its own; results[key] = (tokens, finish, error)."""
-
-    def run():
-        tokens, finish, error = [], None, None
-        body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0, "logprobs": 0, "stream": True}
-        try:
-            with httpx.Client() as client, client.stream("POST", f"{server.url}/v1/completions", json=body,
-                                                         timeout=120) as response:
-                if response.status_code != 200:
-                    error = f"HTTP {response.status_code}: {response.read().decode()}"
-                for line in response.iter_lines() if error is None else ():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        error = chunk["error"]
-                        break
-                    tokens += chunk["choices"][0]["logprobs"]["tokens"]
-                    finish = chunk["choices"][0]["finish_reason"] or finish
-                    if started is not None:
-                        started.set()
-        except httpx.HTTPError as exc:
-            error = repr(exc)
-        results[key] = (tokens, finish, error)
-        if started is not None:
-            started.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.fixture(scope="module")
 def servers():
     """One API server and COUNT of them, same engine flags, loading side by side."""
@@ -143,7 +108,7 @@ def test_streams_through_the_one_port_get_the_tokens_one_api_server_gives(server
     outputs = []
     for server in (one, several):
         results: dict = {}
-        threads = [_stream(server, prompt, 24, results, i) for i, prompt in enumerate(prompts)]
+        threads = [stream_in_thread(server, prompt, 24, results, i) for i, prompt in enumerate(prompts)]
         for thread in threads:
             thread.join(120)
         assert len(results) == len(prompts) and all(error is None for _, _, error in results.values()), results
@@ -218,7 +183,7 @@ def test_kill_9_stops_the_whole_server_with_exit_1_and_leaves_no_process(victim)
         family = _family_of(server)
         results: dict = {}
         started = [threading.Event() for _ in range(6)]
-        threads = [_stream(server, [4, i, 4], 300, results, i, started[i]) for i in range(6)]
+        threads = [stream_in_thread(server, [4, i, 4], 300, results, i, started[i]) for i in range(6)]
         for event in started:
             assert event.wait(60)
         target = {"api-server": lambda: next(iter(_api_servers(server))), "core": lambda: _core(server),
@@ -283,7 +248,7 @@ def test_the_admission_limit_holds_over_all_api_servers():
                     "--max-queued-requests", "0", name="limits").wait_healthy()
     try:
         results: dict = {}
-        threads = [_stream(server, [6, i, 6], 600, results, i) for i in range(12)]
+        threads = [stream_in_thread(server, [6, i, 6], 600, results, i) for i in range(12)]
         for thread in threads:
             thread.join(120)
         served = [key for key, (_, finish, error) in results.items() if error is None and finish == "length"]
