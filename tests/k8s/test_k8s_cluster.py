@@ -65,12 +65,23 @@ def set_pod_status(kube, namespace: str, pod: dict[str, Any], ready: bool = True
 def make_ready(
     kubectl, kube, namespace: str, name: str, group: int | None = None, count: int | None = None
 ) -> None:
-    """Wait for the group's pods to exist (the StatefulSet controller makes them), then mark them ready."""
+    """Wait for the group's pods to exist (the StatefulSet controller makes them), then mark them ready.
+
+    Only pods of the group's current StatefulSet with its current template count: after a spec change the
+    old pods can outlive their StatefulSet for a while (the garbage collector removes them), and marking one
+    of those ready would leave the new ones unready."""
     expected = count if count is not None else None
+
+    def current(pod: dict[str, Any]) -> bool:
+        sts = statefulset(kubectl, namespace, f"{name}-g{pod['metadata']['labels'][GROUP_LABEL]}")
+        owners = {ref["uid"] for ref in pod["metadata"].get("ownerReferences", [])}
+        return sts is not None and sts["metadata"]["uid"] in owners and \
+            pod["spec"]["containers"][0].get("args") == sts["spec"]["template"]["spec"]["containers"][0].get("args")
 
     def all_pods():
         pods = [
-            p for p in pods_of(kubectl, namespace, name, group) if not p["metadata"].get("deletionTimestamp")
+            p for p in pods_of(kubectl, namespace, name, group)
+            if not p["metadata"].get("deletionTimestamp") and current(p)
         ]
         return pods if pods and (expected is None or len(pods) == expected) else None
 
