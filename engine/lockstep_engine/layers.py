@@ -37,12 +37,16 @@ class ColumnParallelLinear(nn.Module):
         self.state = state
         self.weight = nn.Parameter(torch.empty(output_size // state.tp_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size // state.tp_size), requires_grad=False) if bias else None
+        self.lora = None  # lora.model.LoRALinear when LoRA adapters are enabled
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(_shard(full, 0, self.state.tp_rank, self.state.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -97,6 +101,7 @@ class RowParallelLinear(nn.Module):
         self.state = state
         self.weight = nn.Parameter(torch.empty(output_size, input_size // state.tp_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.lora = None  # lora.model.LoRALinear when LoRA adapters are enabled
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         if param is self.bias:
@@ -105,7 +110,10 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(_shard(full, 1, self.state.tp_rank, self.state.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight), self.state)
+        y = F.linear(x, self.weight)
+        if self.lora is not None:
+            self.lora.add_to(x, y)  # before the all-reduce: the term is linear, so the sum over ranks is exact
+        y = tp_all_reduce(y, self.state)
         return y + self.bias if self.bias is not None else y
 
 
