@@ -65,6 +65,8 @@ PASSTHROUGH_ROUTES = {
     "/v1/responses/{response_id}/cancel": ("POST",),
     "/v1/responses/{response_id}/input_items": ("GET",),
 }
+# vLLM's routes that load and unload a LoRA adapter: an engine's, never the gateway's (a 404 that says so).
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 # Answered by the gateway itself (in the OpenAPI document's spelling).
 LOCAL_ROUTES = ("/v1/models", "/v1/models/{model_id}", "/health", "/ping", "/version")
 UPSTREAM_CLIENT_SHARDS = 16
@@ -262,7 +264,7 @@ class Gateway:
         model = payload.get("model")
         known = self.registry.known_models()
         if model is None:
-            served = self.registry.served_models()
+            served = self.registry.served_models(adapters=False)  # an adapter is never the default
             if len(served) == 1:
                 return served[0]  # as vLLM: the one served model is the default
             firsts = {backend.models[0] for backend in self.registry.backends.values() if backend.models}
@@ -353,7 +355,7 @@ class Gateway:
         now = time.monotonic()
         return {"engines": [
             {"url": b.url, "id": engine_id(b.url), "healthy": b.healthy, "suspect": b.suspect, "breaker_open": b.breaker.is_open,
-             "models": list(b.models), "in_flight": b.in_flight,
+             "models": list(b.models), "adapters": list(b.adapters), "in_flight": b.in_flight,
              "load": None if b.load is None else vars(b.load), "load_age_s": round(now - b.load_time, 3)
              if b.load is not None else None}
             for b in self.registry.backends.values()]}
@@ -417,6 +419,16 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
 
     for path, methods in PASSTHROUGH_ROUTES.items():
         app.router.routes.append(Route(path, gateway.passthrough, methods=list(methods)))
+
+    async def adapters_not_here(request: Request) -> Response:
+        path = request.url.path
+        return error_response(GatewayError(404, f"{request.method} {path}: the gateway does not load LoRA adapters: "
+                                                f"they are loaded on the engines ({path} of each engine; in Kubernetes "
+                                                "the operator does it), and the gateway reads them from each engine's "
+                                                "/v1/models"))
+
+    for path in ADAPTER_ROUTES:
+        app.router.routes.append(Route(path, adapters_not_here, methods=["POST"]))
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> Response:

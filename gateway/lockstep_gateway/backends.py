@@ -10,7 +10,9 @@ requests still waiting for their first byte are then ended (they are not replaye
 have started them). A refused connection, or a check answered non-200 (503: loading, draining or
 a dead core) ejects at once; such an engine finishes or fails its own requests. Ejected engines are
 readmitted after `healthy_threshold` passing checks. Load gauges are scraped from `/metrics` on
-their own interval. Checks and scrapes carry the engine key when one is configured.
+their own interval. An engine with LoRA adapter slots (`max_lora` above 0 in its scrape) may load and
+unload adapters at run time: its `/v1/models` is read again after each such scrape (entries with a
+`parent` are its adapters). Checks and scrapes carry the engine key when one is configured.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ log = logging.getLogger("lockstep.gateway")
 class Backend:
     url: str
     sources: set[str] = field(default_factory=set)
-    models: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()  # base models first, then LoRA adapters, as /v1/models lists them
+    adapters: tuple[str, ...] = ()  # the names in `models` that are LoRA adapters (a `parent` in their entry)
     max_model_len: dict[str, int] = field(default_factory=dict)
     cards: dict[str, dict] = field(default_factory=dict)  # model -> its /v1/models entry, as the engine wrote it
     healthy: bool = False
@@ -56,7 +59,16 @@ class Backend:
 
     def candidate(self, now: float) -> Candidate:
         return Candidate(self.url, self.in_flight, self.load, now - self.load_time, self.in_flight_at_scrape,
-                         self.seats, self.models, self.healthy, self.suspect, self.breaker.allows(now))
+                         self.seats, self.models, self.healthy, self.suspect, self.breaker.allows(now),
+                         self.adapters)
+
+    def set_cards(self, cards: dict[str, dict]) -> None:
+        """The engine's /v1/models entries by name: its models, adapters and context lengths."""
+        self.cards = cards
+        self.models = tuple(cards)
+        self.adapters = tuple(name for name, card in cards.items() if card.get("parent"))
+        self.max_model_len = {name: card["max_model_len"] for name, card in cards.items()
+                              if isinstance(card.get("max_model_len"), int)}
 
     def unresponsive_signal(self) -> asyncio.Future:
         if self.unresponsive is None or self.unresponsive.done():
@@ -121,9 +133,11 @@ class Registry:
         return [b for b in self.backends.values() if b.healthy and (model is None or model in b.models)]
 
     def known_models(self) -> set[str]:
-        """Every model an engine served since the gateway started, and every declared one: their
-        requests wait for an engine instead of getting 404."""
-        return self.seen_models.union(*self.declared_models.values())
+        """Every model an engine served since the gateway started, every declared one, and the adapters
+        engines list now (down or not): their requests wait for an engine instead of getting 404. An
+        adapter unloaded from every engine is unknown again."""
+        adapters = (backend.adapters for backend in self.backends.values())
+        return self.seen_models.union(*self.declared_models.values(), *adapters)
 
     def any_unprobed(self) -> bool:
         """An engine that never passed a check may serve any model."""
@@ -145,11 +159,11 @@ class Registry:
             card["max_model_len"] = self.max_model_len(model)
         return card
 
-    def served_models(self) -> list[str]:
+    def served_models(self, adapters: bool = True) -> list[str]:
         names: dict[str, None] = {}
         for backend in self.backends.values():
             if backend.healthy:
-                names.update(dict.fromkeys(backend.models))
+                names.update(dict.fromkeys(m for m in backend.models if adapters or m not in backend.adapters))
         return list(names)
 
     # ---- health -------------------------------------------------------------------------------------
@@ -178,15 +192,13 @@ class Registry:
             self.metrics.ejections.labels(backend.url).inc()
             self.metrics.upstream_healthy.labels(backend.url).set(0)
 
-    def _admit(self, backend: Backend, models: tuple[str, ...], lengths: dict[str, int] | None) -> None:
-        backend.models = models
+    def _admit(self, backend: Backend, cards: dict[str, dict] | None) -> None:
+        if cards is not None:
+            self._set_cards(backend, cards)
         backend.suspect = False
-        if lengths is not None:
-            backend.max_model_len = lengths
-        self.seen_models.update(models)
         if not backend.healthy:
             backend.healthy = True
-            log.info("engine %s admitted, serving %s", backend.url, list(models))
+            log.info("engine %s admitted, serving %s", backend.url, list(backend.models))
             self.metrics.upstream_healthy.labels(backend.url).set(1)
             self._notify(backend, "admitted")
         else:
@@ -212,17 +224,7 @@ class Registry:
                                              headers={**self.headers, "connection": "close"})
             if response.status_code != 200:
                 raise _Definitive(f"/health answered {response.status_code}")
-            models, lengths = backend.models, None
-            if not backend.healthy:
-                listed = await self.client.get(backend.url + "/v1/models", timeout=timeout, headers=self.headers)
-                if listed.status_code != 200:
-                    hint = " (give the gateway the engine's key: --engine-api-key-file)" \
-                        if listed.status_code == 401 else ""
-                    raise _Definitive(f"/v1/models answered {listed.status_code}{hint}")
-                data = listed.json().get("data", [])
-                models = tuple(m["id"] for m in data)
-                lengths = {m["id"]: m["max_model_len"] for m in data if isinstance(m.get("max_model_len"), int)}
-                backend.cards = {m["id"]: m for m in data if isinstance(m, dict)}
+            cards = None if backend.healthy else await self.read_cards(backend)
         except httpx.TimeoutException:
             self._fail(backend, f"{self.config.unhealthy_threshold} health checks in a row got no answer within "
                                 f"{timeout:g}s", definitive=False)
@@ -233,7 +235,24 @@ class Registry:
             backend.consecutive_successes += 1
             backend.last_failure = None
             if backend.healthy or backend.consecutive_successes >= self.config.healthy_threshold:
-                self._admit(backend, models, lengths)
+                self._admit(backend, cards)
+
+    async def read_cards(self, backend: Backend) -> dict[str, dict]:
+        """The engine's /v1/models entries by name, in its order."""
+        listed = await self.client.get(backend.url + "/v1/models", timeout=self.config.health_check_timeout_s,
+                                       headers=self.headers)
+        if listed.status_code != 200:
+            hint = " (give the gateway the engine's key: --engine-api-key-file)" if listed.status_code == 401 else ""
+            raise _Definitive(f"/v1/models answered {listed.status_code}{hint}")
+        return {m["id"]: m for m in listed.json().get("data", [])}
+
+    def _set_cards(self, backend: Backend, cards: dict[str, dict]) -> None:
+        before = (backend.models, backend.adapters)
+        backend.set_cards(cards)
+        self.seen_models.update(m for m in backend.models if m not in backend.adapters)
+        if backend.healthy and (backend.models, backend.adapters) != before:
+            log.info("engine %s now serves %s (adapters: %s)", backend.url, list(backend.models), list(backend.adapters))
+            self._notify(backend, "models")
 
     def _fail(self, backend: Backend, reason: str, definitive: bool) -> None:
         backend.consecutive_successes = 0
@@ -270,8 +289,10 @@ class Registry:
                     backend.in_flight_at_scrape = backend.in_flight
                     backend.seats = max(backend.seats, int(load.num_running))
                     self._notify(backend, "load")
-        except httpx.HTTPError:
-            pass  # the load goes stale and is ignored; health checks decide about ejection
+                    if load.max_loras and backend.healthy:  # adapters come and go at run time
+                        self._set_cards(backend, await self.read_cards(backend))
+        except (httpx.HTTPError, _Definitive, ValueError, KeyError, TypeError):
+            pass  # the load goes stale and is ignored, the models stay; health checks decide about ejection
 
 
 class _Definitive(Exception):

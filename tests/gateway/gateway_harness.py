@@ -235,12 +235,27 @@ class FakeEngine:
     """An OpenAI-shaped server that answers /health, /v1/models and /metrics like an engine and
     misbehaves on POST as told: `hang` (never answers), `status:N` (an error), `status:503:retryable`
     (the engine's "refused before accepting" 503), `reset` (reads the request, then drops the
-    connection), or `ok` (one SSE event + DONE). `GET /fake/posts` counts the POSTs."""
+    connection), or `ok` (one SSE event + DONE). `GET /fake/posts` counts the POSTs.
 
-    def __init__(self, models: list[str], behaviour: str = "hang", host: str = "127.0.0.1"):
+    LoRA, as a vLLM engine shows it, changed at run time by assigning the attributes: `adapters` (name ->
+    path) are listed in /v1/models after the models, `parent` the first model; with `max_loras` above 0,
+    /metrics has `vllm:lora_requests_info` with `running_adapters` and `waiting_adapters`, every label set
+    once exported kept with the time it was last set (as vLLM's Prometheus client keeps them).
+    `num_running` and `num_waiting` are the load /metrics reports."""
+
+    def __init__(self, models: list[str], behaviour: str = "hang", host: str = "127.0.0.1",
+                 adapters: dict[str, str] | None = None, max_loras: int = 0):
         self.models = models
         self.behaviour = behaviour
         self.num_posts = 0
+        self.posted_models: list[str] = []  # the `model` of each POST, in order
+        self.adapters = dict(adapters or {})
+        self.max_loras = max_loras
+        self.running_adapters: list[str] = []
+        self.waiting_adapters: list[str] = []
+        self.num_running = 0
+        self.num_waiting = 0
+        self._lora_series: dict[str, float] = {}  # label set -> when it was last set
         self.release = threading.Event()
         fake = self
 
@@ -264,16 +279,18 @@ class FakeEngine:
                 if self.path == "/health":
                     self._send(200, b"{}")
                 elif self.path == "/v1/models":
-                    self._send(200, json.dumps({"object": "list", "data": [{"id": m} for m in fake.models]}).encode())
+                    self._send(200, json.dumps({"object": "list", "data": fake.model_cards()}).encode())
                 elif self.path == "/metrics":
-                    self._send(200, b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n", "text/plain")
+                    self._send(200, fake.metrics_text().encode(), "text/plain")
                 elif self.path == "/fake/posts":
                     self._send(200, str(fake.num_posts).encode())
                 else:
                     self._send(404, b"{}")
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("content-length", 0)))
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with contextlib.suppress(ValueError, AttributeError):
+                    fake.posted_models.append(json.loads(body).get("model"))
                 fake.num_posts += 1
                 if fake.behaviour == "hang":
                     fake.release.wait(60)
@@ -303,6 +320,21 @@ class FakeEngine:
         self.port = self.server.server_address[1]
         self.url = f"http://{host}:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def model_cards(self) -> list[dict]:
+        cards = [{"id": m, "object": "model", "owned_by": "lockstep"} for m in self.models]
+        return cards + [{"id": name, "object": "model", "owned_by": "lockstep", "root": path,
+                         "parent": self.models[0]} for name, path in dict(self.adapters).items()]
+
+    def metrics_text(self) -> str:
+        text = f"vllm:num_requests_running {self.num_running}\nvllm:num_requests_waiting {self.num_waiting}\n"
+        if not self.max_loras:
+            return text
+        labels = (f'max_lora="{self.max_loras}",running_lora_adapters="{",".join(sorted(self.running_adapters))}",'
+                  f'waiting_lora_adapters="{",".join(sorted(self.waiting_adapters))}"')
+        self._lora_series[labels] = time.time()
+        return text + "".join(f"vllm:lora_requests_info{{{labels}}} {at!r}\n"
+                              for labels, at in list(self._lora_series.items()))
 
     def __enter__(self) -> FakeEngine:
         self.thread.start()

@@ -14,6 +14,11 @@ class EngineLoad:
     num_running: float = 0.0
     num_waiting: float = 0.0
     kv_cache_usage: float = 0.0
+    # `vllm:lora_requests_info`: the adapter slots (--max-loras; 0 = LoRA off) and the adapters of the running
+    # and the waiting requests.
+    max_loras: int = 0
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,10 +35,11 @@ class Candidate:
     # The most requests the engine was seen running at once (its batch, as far as it filled); 0 before
     # any scrape.
     seats: int = 0
-    models: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()  # base models and LoRA adapters
     healthy: bool = True
     suspect: bool = False  # its last health check timed out
     breaker_allows: bool = True  # its circuit breaker lets a request through now
+    adapters: tuple[str, ...] = ()  # the names in `models` that are LoRA adapters
 
 
 def load_score(candidate: Candidate, stale_after_s: float) -> float:

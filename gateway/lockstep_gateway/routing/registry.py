@@ -11,6 +11,7 @@ from dataclasses import replace
 from lockstep_gateway.routing import kv_cache  # the policies with a module of their own
 from lockstep_gateway.routing.affinity import SessionAffinity
 from lockstep_gateway.routing.candidate import Settings
+from lockstep_gateway.routing.lora import LoraAffinity
 from lockstep_gateway.routing.prefix import PrefixCache
 from lockstep_gateway.routing.router import Policy
 from lockstep_gateway.routing.scorers import RoundRobin
@@ -38,10 +39,17 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
+# LoRA affinity's weight in every policy: an engine running the request's adapter counts as much as one
+# holding its prompt prefix (an adapter's cached prefix is on the engines that ran it).
+LORA_AFFINITY_WEIGHT = 1.0
+
+
 def build_policy(name: str, settings: Settings) -> Policy:
-    """The named policy; with `--session-affinity`, a request with a session key goes to its session's
-    engine whatever the policy's other scorers say: affinity outweighs all of them together."""
+    """The named policy with LoRA affinity (it scores requests for adapters only); with
+    `--session-affinity`, a request with a session key goes to its session's engine whatever the
+    policy's other scorers say: affinity outweighs all of them together."""
     policy = POLICIES[name]()
+    policy = replace(policy, scorers=((LoraAffinity(), LORA_AFFINITY_WEIGHT), *policy.scorers))
     if not settings.session_affinity:
         return policy
     weight = 1.0 + sum(weight for _, weight in policy.scorers)
