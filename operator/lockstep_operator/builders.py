@@ -26,7 +26,8 @@ from lockstep_operator.constants import (
     LABEL_SERVICE,
     RENDEZVOUS_PORT,
 )
-from lockstep_operator.inpod import FETCHER, LAUNCHER
+from lockstep_operator.inpod import FETCHER, LAUNCHER, LORA_SYNC
+from lockstep_operator.lora import ADAPTERS_FILE_KEY, adapters_file
 from lockstep_operator.names import (
     common_labels,
     configmap_name,
@@ -116,16 +117,22 @@ def leader_service(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any
 
 
 def engine_configmap(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
+    """Mounted whole (no subPath) at /etc/lockstep, so the kubelet brings a changed adapter list
+    into running pods (within its sync period, about a minute) without restarting them."""
+    data = {
+        "launch.py": LAUNCHER,
+        "fetch.py": FETCHER,
+        "lora_sync.py": LORA_SYNC,
+        "args": "\n".join(engine_args(spec)) + "\n",
+    }
+    if spec.lora is not None:
+        data[ADAPTERS_FILE_KEY] = adapters_file(spec.lora)
     return stamp(
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": object_metadata(owner, configmap_name(spec.name), common_labels(spec.name)),
-            "data": {
-                "launch.py": LAUNCHER,
-                "fetch.py": FETCHER,
-                "args": "\n".join(engine_args(spec)) + "\n",
-            },
+            "data": data,
         }
     )
 

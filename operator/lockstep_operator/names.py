@@ -32,6 +32,11 @@ def group_name(name: str, index: int) -> str:
     return f"{name}-g{index}"
 
 
+def volume_name(prefix: str, key: str) -> str:
+    """A pod volume name (a DNS label) for a key that may be longer or not a label itself."""
+    return f"{prefix}-{digest(key, 10)}"
+
+
 def configmap_name(name: str) -> str:
     return f"{name}-engine"
 

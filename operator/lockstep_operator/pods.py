@@ -3,7 +3,8 @@
 Per replica group i: a StatefulSet `<name>-g<i>`, one pod per rank slot, all started in parallel,
 `OnDelete` so only the operator replaces pods, and then always the whole group. Every pod runs the
 launcher from the LLMService's ConfigMap; a model fetched from hf:// or a URL comes first through
-the `fetch-model` init container. The group revision hashes everything that shapes the pods.
+the `fetch-model` init container. The group revision hashes everything that shapes the pods; the LoRA
+adapter list is not part of it (the pods read it from the ConfigMap at run time, see `lora`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from lockstep_operator.constants import (
     RENDEZVOUS_PORT,
     TMP_SIZE_LIMIT,
 )
-from lockstep_operator.inpod import FETCHER, LAUNCHER
+from lockstep_operator.inpod import FETCHER, LAUNCHER, LORA_SYNC
+from lockstep_operator.lora import ADAPTERS_FILE_KEY
+from lockstep_operator.lora import engine_args as lora_args
 from lockstep_operator.names import (
     common_labels,
     configmap_name,
     digest,
+    volume_name,
     group_name,
     group_secret_name,
     group_selector,
@@ -54,7 +58,8 @@ def revision(spec: ServiceSpec, namespace: str, config: OperatorConfig) -> str:
     """
     template = _pod_template(spec, namespace, 0, config)
     return digest(
-        {"template": template, "pods": spec.pods_per_group, "launcher": LAUNCHER, "fetcher": FETCHER}
+        {"template": template, "pods": spec.pods_per_group, "launcher": LAUNCHER, "fetcher": FETCHER,
+         "lora_sync": LORA_SYNC}
     )
 
 
@@ -92,6 +97,8 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--max-model-len", str(spec.max_model_len)]
     if spec.speculative_config is not None:
         args += ["--speculative-config", spec.speculative_config]
+    if spec.lora is not None:
+        args += lora_args(spec.lora)
     # The engine drains on SIGTERM (new requests get a retryable 503, running ones finish) for this
     # long, then aborts what is left; the rest of the pod's grace period is for the abort and the exit.
     args += ["--shutdown-grace-period", str(drain_seconds(spec))]
@@ -126,10 +133,26 @@ def engine_env(spec: ServiceSpec, namespace: str, index: int, config: OperatorCo
     if spec.api_key_secret is not None:
         ref = {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}
         env.append({"name": "LOCKSTEP_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    if spec.lora is not None:
+        env += lora_env(spec)
     # spec.engine.env may override the cache variables (LOCKSTEP_* are refused by the spec): one
     # entry per name, since a StatefulSet applied with duplicate env names is rejected.
     overridden = {item["name"] for item in spec.env}
     return [e for e in env if e["name"] not in overridden] + [dict(item) for item in spec.env]
+
+
+def lora_env(spec: ServiceSpec) -> list[dict[str, str]]:
+    """What the launcher's lora_sync.py needs: the adapter list, and what fetch.py needs for hf:// and URLs."""
+    env = [
+        # The engine's run-time routes (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), as in vLLM.
+        {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"},
+        {"name": "LOCKSTEP_LORA_ADAPTERS_FILE", "value": f"{LAUNCHER_DIR}/{ADAPTERS_FILE_KEY}"},
+    ]
+    if spec.model_endpoint:
+        env.append({"name": "LOCKSTEP_LORA_HF_ENDPOINT", "value": spec.model_endpoint})
+    if spec.model_token_secret is not None:
+        env.append({"name": "LOCKSTEP_MODEL_TOKEN_FILE", "value": f"{MODEL_TOKEN_DIR}/token"})
+    return env
 
 
 def cache_env() -> list[dict[str, str]]:
@@ -215,12 +238,19 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
     if claim is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True})
+    for adapter_claim in spec.lora.claims if spec.lora is not None else ():
+        if adapter_claim != claim:
+            name = volume_name("lora", adapter_claim)
+            volumes.append({"name": name, "persistentVolumeClaim": {"claimName": adapter_claim, "readOnly": True}})
+            mounts.append({"name": name, "mountPath": f"{MODELS_DIR}/{adapter_claim}", "readOnly": True})
     if spec.fetched:
         if spec.model_cache_claim is not None:
             volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": spec.model_cache_claim}})
         else:
             volumes.append({"name": "models", "emptyDir": {}})
         mounts.append({"name": "models", "mountPath": FETCHED_MODELS_DIR, "readOnly": True})
+    # The token fetches the model (the init container) and the hf:// and URL adapters (lora_sync.py).
+    if spec.fetched or spec.lora is not None:
         if spec.model_token_secret is not None:
             secret = spec.model_token_secret
             volumes.append(
@@ -233,6 +263,8 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
                     },
                 }
             )
+            if spec.lora is not None:
+                mounts.append({"name": "model-token", "mountPath": MODEL_TOKEN_DIR, "readOnly": True})
     return volumes, mounts
 
 

@@ -16,6 +16,9 @@ from typing import Any
 
 from lockstep_operator.autoscale import Autoscaling
 from lockstep_operator.constants import DEFAULT_NUM_SCHEDULER_STEPS
+from lockstep_operator.errors import SpecError
+from lockstep_operator.lora import LORA_FLAGS, LoraConfig, check_lora
+from lockstep_operator.sources import check_form, is_fetched, pvc_claim
 
 # Flags the operator derives from spec fields; repeating them in extraArgs would be ambiguous.
 OWNED_FLAGS = (
@@ -28,12 +31,9 @@ OWNED_FLAGS = (
     "--max-model-len",
     "--served-model-name",
     "--speculative-config",
+    *LORA_FLAGS,
 )
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_PVC_RE = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/[^/].*)?$")
-# hf://<org>/<repo>[@<revision>]: fetched from the Hugging Face hub (or a mirror) by an init container.
-_HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][-._A-Za-z0-9]*/[A-Za-z0-9][-._A-Za-z0-9]*)(@(?P<revision>[-._/A-Za-z0-9]+))?$")
-_URL_RE = re.compile(r"^https?://[^/\s]+/\S+$")
 _ENDPOINT_RE = re.compile(r"^https?://[^/\s]+(/\S*)?$")
 _SECRET_NAME_RE = re.compile(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
 MAX_NAME_LENGTH = 40
@@ -46,14 +46,6 @@ _SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9,
 # requests is BestEffort, the first one evicted or OOM-killed under node pressure.
 DEFAULT_ENGINE_REQUESTS = {"cpu": "1", "memory": "4Gi"}
 DEFAULT_TERMINATION_GRACE_SECONDS = 60
-
-
-class SpecError(ValueError):
-    """A spec a user wrote cannot be served; the message names the field and the allowed values."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -117,15 +109,16 @@ class ServiceSpec:
 
     @property
     def pvc_claim(self) -> str | None:
-        match = _PVC_RE.match(self.source)
-        return match.group("claim") if match else None
+        return pvc_claim(self.source)
 
     @property
     def fetched(self) -> bool:
         """Whether an init container fetches the model before the engine starts."""
-        return self.source.startswith(("hf://", "http://", "https://"))
+        return is_fetched(self.source)
     # spec.speculativeConfig as the engine's --speculative-config JSON; None: no speculation.
     speculative_config: str | None = None
+    # spec.lora and spec.loraAdapters; None: the engine serves no adapters.
+    lora: LoraConfig | None = None
 
 
 
@@ -164,16 +157,7 @@ def _check_source(source: Any) -> str:
             "is required (smollm2, random:<shape>, /path, pvc://claim/path, hf://org/repo[@revision] "
             f"or an http(s):// URL), got {source!r}",
         )
-    if source.startswith("pvc://") and not _PVC_RE.match(source):
-        raise SpecError(
-            "spec.model.source", f"must look like pvc://<claim-name>/<path inside the claim>, got {source!r}"
-        )
-    if source.startswith("hf://") and not _HF_RE.match(source):
-        raise SpecError(
-            "spec.model.source", f"must look like hf://<org>/<repo> or hf://<org>/<repo>@<revision>, got {source!r}"
-        )
-    if source.startswith(("http://", "https://")) and not _URL_RE.match(source):
-        raise SpecError("spec.model.source", f"must be a URL with a host and a path, got {source!r}")
+    check_form(source, "spec.model.source")
     return source
 
 
@@ -416,6 +400,7 @@ def parse_spec(name: str, raw: Mapping[str, Any], *, default_image: str) -> Serv
         termination_grace_seconds=grace,
         max_disrupted=_check_disruption_budget(_section(raw, "disruptionBudget")),
         speculative_config=_check_speculative(raw.get("speculativeConfig")),
+        lora=check_lora(raw.get("lora"), raw.get("loraAdapters"), served_name=model.get("servedName") or name),
     )
 
 

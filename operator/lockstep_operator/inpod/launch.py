@@ -9,6 +9,10 @@
                       with that rank's status: the container restarts and the operator restarts the
                       whole group (a group cannot survive a lost rank).
   launch.py --probe   startup/readiness/liveness check: GET /health on the leader, a no-op elsewhere.
+
+With LOCKSTEP_LORA_ADAPTERS_FILE set (a service with LoRA adapters), the launcher also runs lora_sync.py
+beside the ranks, which fetches the listed adapters and loads them into the leader's engine; the leader's
+probe then also waits for its first pass (LOCKSTEP_LORA_READY_FILE).
 """
 import os
 import signal
@@ -17,6 +21,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+DEFAULT_LORA_READY_FILE = "/tmp/lockstep-lora-ready"
 
 
 def fail(message):
@@ -36,9 +42,16 @@ def env_int(name, default=None):
         fail(f"{name}={value!r} is not an integer")
 
 
+def lora_ready_file():
+    return os.environ.get("LOCKSTEP_LORA_READY_FILE", DEFAULT_LORA_READY_FILE)
+
+
 def probe(pod_index):
     if pod_index != 0:
         return 0
+    if os.environ.get("LOCKSTEP_LORA_ADAPTERS_FILE") and not os.path.exists(lora_ready_file()):
+        print("launch.py: the LoRA adapters are not loaded yet (lora_sync.py's first pass)", file=sys.stderr)
+        return 1
     port = env_int("LOCKSTEP_HTTP_PORT", 8000)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=4) as response:
@@ -78,10 +91,21 @@ def rank_command(rank, args):
     return ["lockstep", "serve" if rank == 0 else "worker", *args]
 
 
-def supervise(processes):
-    """Wait for the first rank to exit; stop the others; return its exit status."""
+def start_lora_sync():
+    """lora_sync.py from beside this file, in its own process; its first pass makes the leader ready."""
+    ready_file = lora_ready_file()
+    if os.path.exists(ready_file):
+        os.remove(ready_file)  # /tmp outlives a container restart: the new engine has no adapters yet
+    program = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora_sync.py")
+    return subprocess.Popen([sys.executable, program], env=dict(os.environ, LOCKSTEP_LORA_READY_FILE=ready_file))
+
+
+def supervise(processes, helpers=()):
+    """Wait for the first rank to exit; stop the others and the helpers; return its exit status.
+
+    A helper that exits (lora_sync.py) is not a lost rank: the ranks keep serving."""
     def forward(signum, _frame):
-        for process in processes:
+        for process in [*processes, *helpers]:
             if process.poll() is None:
                 process.send_signal(signum)
 
@@ -92,13 +116,15 @@ def supervise(processes):
         exited = next((p for p in processes if p.pid == pid), None)
         if exited is not None:
             break
+        if any(helper.pid == pid for helper in helpers):
+            print(f"launch.py: helper process {pid} exited with {os.waitstatus_to_exitcode(status)}", file=sys.stderr, flush=True)
     code = os.waitstatus_to_exitcode(status)
     exited.returncode = code
     print(f"launch.py: rank process {pid} exited with {code}; stopping the pod's other ranks", file=sys.stderr, flush=True)
-    for process in processes:
-        if process.returncode is None:
+    for process in [*processes, *helpers]:
+        if process.poll() is None:
             process.terminate()
-    for process in processes:
+    for process in [*processes, *helpers]:
         try:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -122,7 +148,8 @@ def main(argv):
         os.environ["LOCKSTEP_LEADER_ADDR"] = "127.0.0.1"
     else:
         wait_for_leader(os.environ["LOCKSTEP_LEADER_ADDR"], env_int("LOCKSTEP_LEADER_WAIT_SECONDS", 600))
-    if ranks_per_pod == 1:
+    helpers = [start_lora_sync()] if os.environ.get("LOCKSTEP_LORA_ADAPTERS_FILE") else []
+    if ranks_per_pod == 1 and not helpers:
         os.environ.update(LOCKSTEP_RANK=str(first_rank), LOCKSTEP_LOCAL_RANK="0")
         os.execvp("lockstep", rank_command(first_rank, argv))
     processes = []
@@ -130,7 +157,7 @@ def main(argv):
         rank = first_rank + local_rank
         env = dict(os.environ, LOCKSTEP_RANK=str(rank), LOCKSTEP_LOCAL_RANK=str(local_rank))
         processes.append(subprocess.Popen(rank_command(rank, argv), env=env))
-    return supervise(processes)
+    return supervise(processes, helpers)
 
 
 if __name__ == "__main__":
