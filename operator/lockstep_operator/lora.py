@@ -22,8 +22,8 @@ from lockstep_operator.names import digest
 from lockstep_operator.sources import ARCHIVE_SUFFIXES, check_form, is_fetched, pvc_claim, url_file_name
 
 # Flags the operator sets from spec.lora (and the adapter list it loads at run time instead of
-# --lora-modules); spec.engine.extraArgs may not repeat them. --max-cpu-loras stays the user's.
-LORA_FLAGS = ("--enable-lora", "--max-loras", "--max-lora-rank", "--lora-modules")
+# --lora-modules); spec.engine.extraArgs may not repeat them.
+LORA_FLAGS = ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-modules")
 # The ranks vLLM's --max-lora-rank accepts.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MAX_ADAPTERS = 64
@@ -65,7 +65,10 @@ class LoraConfig:
 
 
 def engine_args(config: LoraConfig) -> list[str]:
-    return ["--enable-lora", "--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank)]
+    # --max-cpu-loras bounds the adapters the engine registers (a load past it is refused): room for the
+    # longest list the CRD allows, so the bound never depends on the list (which would restart groups).
+    return ["--enable-lora", "--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank),
+            "--max-cpu-loras", str(max(config.max_loras, MAX_ADAPTERS))]
 
 
 def adapters_file(config: LoraConfig) -> str:

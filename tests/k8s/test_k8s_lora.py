@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from k8s_harness import EXAMPLE, free_port, wait_for
+from lockstep_engine.entrypoints.serve import build_parser
 from lockstep_operator import builders, pods
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.inpod import FETCHER, LAUNCHER, LORA_SYNC
@@ -56,15 +57,19 @@ def _adapters_in_configmap(spec) -> list[dict[str, str]]:
 # --- what the operator renders ---------------------------------------------------------------------------
 
 
-def test_lora_settings_become_the_engine_flags():
+def test_lora_settings_become_the_engine_flags_lockstep_serve_parses():
     args = pods.engine_args(_spec([{"name": "sql", "source": "hf://acme/sql-lora"}], {"maxLoras": 4, "maxLoraRank": 64}))
-    assert args[args.index("--enable-lora"):][:5] == ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "64"]
+    assert args[args.index("--enable-lora"):][:7] == [
+        "--enable-lora", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "64"]
     assert "--lora-modules" not in args  # the adapters are loaded at run time, from the ConfigMap's list
+    parsed = build_parser().parse_args(args)
+    assert (parsed.enable_lora, parsed.max_loras, parsed.max_lora_rank, parsed.max_cpu_loras) == (True, 4, 64, 64)
 
 
 def test_adapters_alone_turn_lora_on_with_vllms_defaults():
     args = pods.engine_args(_spec([{"name": "sql", "source": "hf://acme/sql-lora"}]))
-    assert args[args.index("--enable-lora"):][:5] == ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "16"]
+    assert args[args.index("--enable-lora"):][:7] == [
+        "--enable-lora", "--max-loras", "1", "--max-lora-rank", "16", "--max-cpu-loras", "64"]
 
 
 def test_without_lora_there_is_no_flag_no_list_and_no_sync():
@@ -182,7 +187,7 @@ def test_what_cannot_be_served_is_refused_naming_the_field(adapters, lora, field
     assert error.value.field == field and words in str(error.value), str(error.value)
 
 
-@pytest.mark.parametrize("flag", ["--enable-lora", "--max-loras=2", "--max-lora-rank", "--lora-modules"])
+@pytest.mark.parametrize("flag", ["--enable-lora", "--max-loras=2", "--max-lora-rank", "--max-cpu-loras", "--lora-modules"])
 def test_extra_args_may_not_set_the_lora_flags(flag):
     with pytest.raises(SpecError) as error:
         _spec(engine={"extraArgs": [flag, "1"]})
