@@ -24,6 +24,7 @@ class AttentionMetadata:
     query_start_loc_host: list[int] | None = None  # the same on the host (prefill loop)
     seq_lens_host: list[int] | None = None
     max_seq_len: int = 0  # host bound used for gathering (decode)
+    lora_slots: torch.Tensor | None = None  # [tokens] LoRA weight slot per token; None: no adapter in the batch
 
     # int32 copies of the tensors above, made by the first layer that asks and reused by the others
     _int32: dict = field(default_factory=dict, repr=False, compare=False)

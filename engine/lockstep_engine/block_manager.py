@@ -30,6 +30,13 @@ def _chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def _root_hash(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: its LoRA adapter's registration (None: the base model), so
+    KV computed with one adapter's weights never serves another's prefix."""
+    adapter = seq.request.adapter
+    return None if adapter is None else hash(("lora", adapter.adapter_id))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
@@ -98,7 +105,7 @@ class BlockManager:
                 self.prefix_cache_queries += max(limit, 0)
             return 0
         self.prefix_cache_queries += limit
-        parent_hash = None
+        parent_hash = _root_hash(seq)
         size = self.block_size
         for start in range(0, limit - size + 1, size):
             token_ids = tuple(seq.token_ids[start:start + size])
@@ -176,7 +183,7 @@ class BlockManager:
         num_full = min(seq.num_computed // size, len(seq.block_ids))
         while seq.num_hashed_blocks < num_full:
             index = seq.num_hashed_blocks
-            parent_hash = seq.block_hashes[index - 1] if index else None
+            parent_hash = seq.block_hashes[index - 1] if index else _root_hash(seq)
             token_ids = tuple(seq.token_ids[index * size:(index + 1) * size])
             block_hash = _chain_hash(parent_hash, token_ids)
             block = self._blocks[seq.block_ids[index]]

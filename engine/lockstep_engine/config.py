@@ -31,6 +31,8 @@ ATTENTION_BACKENDS = ("auto", "triton", "flash-attn", "torch")
 VLLM_ATTENTION_BACKENDS = {"TRITON_ATTN": "triton", "FLASH_ATTN": "flash-attn", "TORCH_SDPA": "torch"}
 
 SCHEDULING_POLICIES = ("fcfs", "lof", "priority")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+MAX_LORAS = 64
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 LOAD_FORMATS = ("auto", "safetensors", "gguf")  # what `sources.resolve` reads (vLLM's names)
@@ -236,6 +238,14 @@ class EngineConfig:
     load_format: Literal["auto", "safetensors", "gguf"] = "auto"
     # vLLM's --speculative-config (JSON, a dict or a `SpeculativeConfig`); None: no speculation
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (vLLM's flags): --lora-modules as (name, path) pairs, loaded at start; at most max_loras
+    # of them in the model's weight slots at once (a batch mixes at most that many), of rank <= max_lora_rank;
+    # at most max_cpu_loras registered (None: max(max_loras, the --lora-modules count)).
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -283,6 +293,27 @@ class EngineConfig:
             raise ConfigError(f"speculative_config is not supported with tensor_parallel_size="
                               f"{self.tensor_parallel_size} and pipeline_parallel_size={self.pipeline_parallel_size}: "
                               f"speculative windows run on one rank only")
+
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple((str(n), str(p)) for n, p in self.lora_modules))
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora_modules were given without enable_lora: start with --enable-lora")
+        _require(isinstance(self.max_loras, int) and 1 <= self.max_loras <= MAX_LORAS, "max_loras", self.max_loras,
+                 f"an integer in [1, {MAX_LORAS}]")
+        _require(self.max_lora_rank in LORA_RANKS, "max_lora_rank", self.max_lora_rank,
+                 "one of " + ", ".join(map(str, LORA_RANKS)))
+        names = [name for name, _ in self.lora_modules]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        _require(duplicate is None, "lora_modules", duplicate, "each adapter name once")
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, len(names))
+        _require(isinstance(cpu, int) and cpu >= max(self.max_loras, len(names)), "max_cpu_loras", cpu,
+                 f"an integer >= max_loras ({self.max_loras}) and >= the {len(names)} --lora-modules")
+        object.__setattr__(self, "max_cpu_loras", cpu)
+        if self.enable_lora and self.speculative_config is not None:
+            raise ConfigError("enable_lora is not supported with speculative_config: speculative windows run "
+                              "without LoRA weights")
 
     @property
     def is_adaptive(self) -> bool:

@@ -142,6 +142,7 @@ class CoreLoop:
         self._metrics_sent_at = 0.0
         self._seed_rng = random.Random(seed)
         self._deferred: list[p.AddRequest] = []
+        self._deferred_calls: list[tuple] = []  # adapter loads and unloads that arrived during a window
         self._compiling: dict = {}  # request id -> future of its grammar (`_grammar_of`)
         self._dropped: set[str] = set()  # aborted while their grammar compiled: dropped when they come back
         self._stopping = False
@@ -173,6 +174,32 @@ class CoreLoop:
             self._send_failures()
         elif isinstance(message, p.Shutdown):
             self._remove_client(client)
+        elif isinstance(message, (p.LoadAdapter, p.UnloadAdapter)):
+            if in_window:  # reading an adapter's files waits until the window's steps are out
+                self._deferred_calls.append((client, message))
+            else:
+                self._adapter_call(client, message)
+
+    def _adapter_call(self, client: int | None, message) -> None:
+        """/v1/load_lora_adapter and /v1/unload_lora_adapter: the answer to the asking API server, the new
+        list to every API server."""
+        adapters = self.core.scheduler.adapters
+        try:
+            if adapters is None:
+                raise ValueError("LoRA adapters are off in this engine: start it with --enable-lora")
+            if isinstance(message, p.LoadAdapter):
+                adapters.load(message.name, message.path, self.core.executor.runner.read_lora)
+            elif message.name not in adapters.registered:
+                self.writer.send_to(client, p.AdapterReply(message.call_id, f"The lora adapter '{message.name}' "
+                                                           f"cannot be found.", 404))
+                return
+            else:
+                adapters.unregister(message.name)
+        except ValueError as error:  # the adapter's files, a name in use, a full registry
+            self.writer.send_to(client, p.AdapterReply(message.call_id, str(error), 400))
+            return
+        self.writer.send_to(client, p.AdapterReply(message.call_id))
+        self.writer.send(p.Adapters(adapters.listing(), adapters.max_loras))
 
     def _remove_client(self, client: int) -> None:
         """An API server left: its requests are aborted (blocks freed), their outputs dropped; the core
@@ -196,6 +223,10 @@ class CoreLoop:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.core.config.max_model_len, seed, arrival_time=message.arrival_time)
+            if message.lora_name is not None:
+                if self.core.scheduler.adapters is None:
+                    raise ValueError("LoRA adapters are off in this engine: start it with --enable-lora")
+                request.adapter = self.core.scheduler.adapters.resolve(message.lora_name)
             if template is not None:
                 setattr(request, TEMPLATE_ATTR, template)
             self.core.add_request(request)
@@ -272,7 +303,7 @@ class CoreLoop:
             num_steps=stats.num_steps, num_windows=stats.num_windows,
             num_generated_tokens=stats.num_generated_tokens, busy_s=stats.forward_s,
             num_preemptions=getattr(core.scheduler, "num_preemptions", 0),
-            gpu_occupancy=round(self.metrics.occupancy, 3))
+            gpu_occupancy=round(self.metrics.occupancy, 3), **_adapter_stats(core.scheduler))
         if snapshot != self.stats_snapshot:
             self.stats_snapshot = snapshot
             self.writer.send(snapshot)
@@ -287,6 +318,9 @@ class CoreLoop:
             for message in self._deferred:
                 self._add(message)
             self._deferred = []
+            for client, call in self._deferred_calls:
+                self._adapter_call(client, call)
+            self._deferred_calls = []
             self._drain(block=not self.core.has_unfinished(), in_window=False)
             self.core.executor.check_health()  # a lost rank of the engine group fails the core, idle or not
             self.progress_at = time.monotonic()
@@ -304,6 +338,14 @@ class CoreLoop:
         """Whether the core still knows a request id: running or waiting, compiling its grammar, or deferred."""
         deferred = {message.request_id for message in self._deferred}
         return lambda rid: rid in self.core.requests or rid in self._compiling or rid in deferred
+
+
+def _adapter_stats(scheduler) -> dict:
+    """The adapters of running and waiting requests (vllm:lora_requests_info); nothing when LoRA is off."""
+    if scheduler.adapters is None:
+        return {}
+    waiting = sorted({seq.request.adapter.name for seq in scheduler.waiting if seq.request.adapter is not None})
+    return {"running_adapters": tuple(scheduler.adapters.active()), "waiting_adapters": tuple(waiting)}
 
 
 def _build_core(config: EngineConfig):
@@ -364,6 +406,8 @@ def _serve(config, pipes: list[tuple]) -> None:
                             num_scheduler_steps=core.config.num_scheduler_steps, guided_decoding=has_guides,
                             device=str(executor.device), model_config=asdict(executor.model_config),
                             tokenizer=tokenizer))
+    if core.scheduler.adapters is not None:
+        writer.send(p.Adapters(core.scheduler.adapters.listing(), core.scheduler.adapters.max_loras))
     try:
         loop.run()
     except Exception:

@@ -23,6 +23,7 @@ from functools import partial
 from typing import Callable
 
 from lockstep_engine.protocol import RequestFailed, SequenceOutput, StepOutputs, TokenBatch, TokenLogprobs
+from lockstep_engine.adapter_slots import AdapterSlots
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.group.executor import Executor
@@ -35,9 +36,8 @@ from lockstep_engine.spec_decode.requests import check_speculative
 
 @dataclass
 class CoreStats:
-    """The engine core's counters (cumulative) and per-step samples (since the last `take`).
-
-    Only the core writes here; readers (metrics, benchmarks) take a snapshot."""
+    """The engine core's counters (cumulative) and per-step samples (since the last `take`). Only the core
+    writes here; readers (metrics, benchmarks) take a snapshot."""
 
     num_windows: int = 0
     num_steps: int = 0
@@ -110,7 +110,7 @@ class EngineCore:
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
                             max_long_partial_prefills=config.max_long_partial_prefills,
                             speculation=config.speculative_config),
-            self.blocks)
+            self.blocks, adapters=AdapterSlots.start(config, executor.runner.read_lora))
         self.requests: dict[str, Request] = {}
         # Requests with n > 1 whose samples are not forked yet, in arrival order: a window looks at these
         # alone, not at every request.

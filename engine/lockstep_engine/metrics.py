@@ -3,14 +3,12 @@
 Two halves, one per process of `lockstep serve`:
 * `CoreMetrics` lives in the engine-core process. After each window it turns a `CoreStats` snapshot
   (`EngineCore.take_stats()`: the counters, and the per-step samples since the previous snapshot)
-  and the window's `WindowTimings` into cumulative histogram buckets and counters (plain Python: a
-  bisect and an add per observation, nothing on the device), and `snapshot()` packs them into a
-  `lockstep_engine.protocol.CoreMetrics` message. Snapshots are cumulative, so the API server only keeps the
-  latest and a coalesced or late one loses nothing.
-* `ServerMetrics` lives in the API-server process, where requests arrive and tokens are counted the
-  way `usage` counts them. It observes TTFT, per-token ITL, e2e latency and lengths, and `render()`
-  writes the engine's /metrics text at scrape time: its own state, the latest core snapshot and the
-  scheduler gauges (`lockstep_*` plus vLLM's routing names).
+  and the window's `WindowTimings` into cumulative histogram buckets and counters (a bisect and an add
+  per observation, nothing on the device); `snapshot()` packs them into a `protocol.CoreMetrics`
+  message. Snapshots are cumulative: the API server keeps the latest, a late one loses nothing.
+* `ServerMetrics` lives in the API-server process, where requests arrive and tokens are counted as
+  `usage` counts them. It observes TTFT, per-token ITL, e2e latency and lengths; `render()` writes the
+  /metrics text at scrape time: its state, the core's latest snapshot, the scheduler gauges.
 
 Names, labels and buckets come from `lockstep_common.metrics_names` (docs/ARCHITECTURE.md).
 """
@@ -237,6 +235,7 @@ class ServerMetrics:
         self.ready: p.CoreReady | None = None
         self.enable_prefix_caching = True
         self.gpu_memory_utilization = 0.9
+        self.max_loras = 0  # LoRA adapter slots (0: LoRA off)
         self._stats: Callable[[], p.EngineStats | None] = lambda: None
         self._core: Callable[[], p.CoreMetrics | None] = lambda: None
         self._requests: dict[str, _Tracked] = {}
@@ -468,9 +467,10 @@ class ServerMetrics:
         labels = ",".join(f'{k}="{_escape(str(value))}"' for k, value in info.items())
         cache = v.BY_NAME[v.CACHE_CONFIG_INFO]
         out.append(f"{self._header(cache.name, cache.help, 'gauge')}{cache.name}{{{labels}}} 1.0\n")
-        lora = v.BY_NAME[v.LORA_REQUESTS_INFO]
-        out.append(f'{self._header(lora.name, lora.help, "gauge")}{lora.name}{{max_lora="0",'
-                   f'waiting_lora_adapters="",running_lora_adapters=""}} {time.time()!r}\n')
+        lora, stats = v.BY_NAME[v.LORA_REQUESTS_INFO], self._stats() or p.EngineStats()
+        waiting, running = (_escape(",".join(names)) for names in (stats.waiting_adapters, stats.running_adapters))
+        out.append(f'{self._header(lora.name, lora.help, "gauge")}{lora.name}{{max_lora="{self.max_loras}",'
+                   f'waiting_lora_adapters="{waiting}",running_lora_adapters="{running}"}} {time.time()!r}\n')
         method = "cuda_events" if ready.device.startswith("cuda") else "host_clock"
         help_text = "How step durations and gaps are timed (value 1): cuda_events on the compute stream, or host_clock"
         out.append(f'{self._header(n.STEP_TIMER_INFO, help_text, "gauge")}'

@@ -28,6 +28,22 @@ class AddRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams fields, already validated by the API server
     arrival_time: float  # time.monotonic() of the API server (one clock per host)
+    lora_name: str | None = None  # the LoRA adapter the request's `model` named; None: the base model
+
+
+@dataclass
+class LoadAdapter:
+    """/v1/load_lora_adapter: register the adapter at `path` under `name` (answered by `AdapterReply`)."""
+
+    call_id: str
+    name: str
+    path: str
+
+
+@dataclass
+class UnloadAdapter:
+    call_id: str
+    name: str
 
 
 @dataclass
@@ -64,6 +80,26 @@ class CoreReady:
     # The Hugging Face tokenizer the core loaded, pickled along (None: token ids only). Loading it
     # once, in the core, spares the API server from parsing the model file a second time.
     tokenizer: Any = None
+
+
+@dataclass
+class AdapterReply:
+    """The answer to a `LoadAdapter` or `UnloadAdapter`, to the API server that asked: `error` None on
+    success, else the reason with the HTTP status it maps to (400: the adapter or the name; 404: no such
+    adapter)."""
+
+    call_id: str
+    error: str | None = None
+    status: int = 200
+
+
+@dataclass
+class Adapters:
+    """The registered LoRA adapters, (name, path) in registration order: sent to every API server at start
+    and whenever the list changes."""
+
+    adapters: list[tuple[str, str]]
+    max_loras: int
 
 
 @dataclass
@@ -179,6 +215,9 @@ class EngineStats:
     # Device busy time over busy + idle time of the forwards of the last few seconds (idle: the gaps
     # between back-to-back forwards; time with no request at all does not count), 0..1
     gpu_occupancy: float = 0.0
+    # LoRA adapters with running / waiting requests, sorted names (vllm:lora_requests_info)
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 @dataclass
@@ -208,5 +247,6 @@ class CoreFailed:
     message: str
 
 
-ToCore = Union[AddRequest, AbortRequests, StopSequence, Shutdown]
-FromCore = Union[CoreReady, StepOutputs, RequestFailed, EngineStats, CoreMetrics, Heartbeat, CoreFailed]
+ToCore = Union[AddRequest, AbortRequests, StopSequence, Shutdown, LoadAdapter, UnloadAdapter]
+FromCore = Union[CoreReady, StepOutputs, RequestFailed, EngineStats, CoreMetrics, Heartbeat, CoreFailed, AdapterReply,
+                 Adapters]

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from lockstep_engine.adapter_slots import AdapterSlots
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import AUTO, SpeculativeConfig
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
@@ -52,6 +53,8 @@ class WindowPlan:
     num_steps: int
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     speculation: SpeculativeConfig | None = None  # its steps speculate; None: one token per row and step
+    # LoRA adapters to put in the model's weight slots before the window runs: (slot, name, path)
+    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def sampling_rows(self) -> list[ScheduledSeq]:
@@ -91,11 +94,14 @@ def _priority_key(seq: Sequence) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, clock=time.monotonic):
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, clock=time.monotonic,
+                 adapters: AdapterSlots | None = None):
         """`clock`: the time `Request.arrival_time` is on (time.monotonic, shared by the API and core
-        processes of one host)."""
+        processes of one host). `adapters`: the LoRA slot table when LoRA is on: a waiting sequence whose
+        adapter can get no slot stays waiting while those behind it are admitted."""
         self.limits = limits
         self.blocks = block_manager
+        self.adapters = adapters
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         # lof: the fresh waiting sequences by arrival (admitted ones are dropped lazily), and the seq_ids
@@ -178,6 +184,12 @@ class Scheduler:
             except ValueError:
                 pass
         self.blocks.free(seq)
+        self._release_slot(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot:
+            self.adapters.release(seq.lora_slot)
+            seq.lora_slot = 0
 
     # ---- planning ---------------------------------------------------------------------------
     def observe_costs(self, boundary_gap_s: float | None = None, decode_step_s: float | None = None) -> None:
@@ -256,6 +268,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        self._release_slot(seq)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -302,8 +315,13 @@ class Scheduler:
         preempted = self.num_preemptions != preemptions_before
         if self._arrivals:
             self._promote_aged()
+        adapters = self.adapters
+        skipped: list[Sequence] = []  # waiting for a LoRA slot; back at the head of the queue afterwards
         while not preempted and self.waiting and len(self.running) < self.limits.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if adapters is not None and not adapters.can_acquire(seq.request.adapter):
+                skipped.append(self.waiting.popleft())
+                continue
             if not seq.block_ids:
                 self.blocks.allocate_cached_prefix(seq)
                 if seq.index == 0 and seq.num_preemptions == 0:
@@ -321,6 +339,8 @@ class Scheduler:
             self.waiting.popleft()
             self._aged.discard(seq.seq_id)
             copies += reserved
+            if adapters is not None:
+                seq.lora_slot = adapters.acquire(seq.request.adapter)
             seq.status = SequenceStatus.RUNNING
             if self.limits.scheduling_policy == "priority":
                 bisect.insort_right(self.running, seq, key=_priority_key)
@@ -329,9 +349,13 @@ class Scheduler:
             rows.append(row)
             budget -= row.num_new_tokens
 
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
         if not rows:
             return None
-        return WindowPlan(rows=rows, num_steps=num_steps, block_copies=copies, speculation=self.limits.speculation)
+        loads = [(slot, a.name, a.path) for slot, a in adapters.take_loads()] if adapters is not None else []
+        return WindowPlan(rows=rows, num_steps=num_steps, block_copies=copies, speculation=self.limits.speculation,
+                          lora_loads=loads)
 
     # ---- results ----------------------------------------------------------------------------
     def complete_row(self, row: ScheduledSeq, num_sampled: int) -> None:

@@ -56,6 +56,7 @@ class Sequence:
     # the device's copy of the token (`runner.host_stream.WindowTail`). 0 or 1.
     num_pending: int = 0
     sampling_row: object = None  # the runner's sampling constants for it (`runner.step_inputs.SamplingCache`)
+    lora_slot: int = 0  # the model's LoRA weight slot it runs with while admitted (0: the base model)
     # The length at which max_tokens or max_model_len ends it: fixed by the request, so that the
     # scheduler's per-row `remaining_tokens` is one subtraction.
     max_num_tokens: int = field(init=False)
@@ -117,6 +118,7 @@ class Request:
     num_cached_tokens: int = 0
     aborted: bool = False
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.. (computed so far)
+    adapter: object = None  # its LoRA adapter (`adapter_slots.Adapter`); None: the base model
     # Its sampling reads its own earlier tokens on the host (a grammar, penalties, bad words of several
     # tokens): each window starts from its tokens on the host, so the window before hands every step over.
     needs_host_tokens: bool = field(init=False)

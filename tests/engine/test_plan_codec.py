@@ -266,27 +266,32 @@ def _json(*message) -> bytes:
 
 
 NEW_REQUEST = ["a", [1, 2, 3], SamplingParams().to_dict(), 64, 0, True]
-ROW = ["a", 0, True, 3, [], 0, [4], 3, True, 1, 0, 16]
+ROW = ["a", 0, True, 3, [], 0, [4], 3, True, 1, 0, 16, 0]
 
 
 @pytest.mark.parametrize("data, error", [
     (b"garbage", "not valid JSON"),
     (b"\xff\xfe", "not valid JSON"),
-    (pickle.dumps(("lockstep-plan/2", 0, [], [], [], [], None)), "not valid JSON"),
-    (_json(1, 2, 3), "is not a lockstep-plan/2 message"),
-    (_json("lockstep-plan/1", 0, [], [], [], [], None), "is not a lockstep-plan/2 message"),
-    (_json("lockstep-plan/2", 0.0, [], [], [], [], None), "is not a lockstep-plan/2 message"),
-    (_json("lockstep-plan/2", 0, [], [], [], [["a", 0, True]], None), "plan message 0 is malformed"),
-    (_json("lockstep-plan/2", 0, [["a", 0]], [], [], [], None), r"sequence \('a', 0\): released"),
-    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST], [], [ROW[:3] + [3.0] + ROW[4:]], [1, []]),
+    (pickle.dumps(("lockstep-plan/3", 0, [], [], [], [], None)), "not valid JSON"),
+    (_json(1, 2, 3), "is not a lockstep-plan/3 message"),
+    (_json("lockstep-plan/1", 0, [], [], [], [], None), "is not a lockstep-plan/3 message"),
+    (_json("lockstep-plan/3", 0.0, [], [], [], [], None), "is not a lockstep-plan/3 message"),
+    (_json("lockstep-plan/3", 0, [], [], [], [["a", 0, True]], None), "plan message 0 is malformed"),
+    (_json("lockstep-plan/3", 0, [["a", 0]], [], [], [], None), r"sequence \('a', 0\): released"),
+    (_json("lockstep-plan/3", 0, [], [NEW_REQUEST], [], [ROW[:3] + [3.0] + ROW[4:]], [1, [], []]),
      r"sequence \('a', 0\): expected integers, got 3.0"),
-    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST], [], [ROW[:8] + [1] + ROW[9:]], [1, []]),
+    (_json("lockstep-plan/3", 0, [], [NEW_REQUEST], [], [ROW[:8] + [1] + ROW[9:]], [1, [], []]),
      r"sequence \('a', 0\): the row's flags must be booleans"),
-    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST[:1] + [[1, "2"]] + NEW_REQUEST[2:]], [], [ROW], [1, []]),
+    (_json("lockstep-plan/3", 0, [], [NEW_REQUEST[:1] + [[1, "2"]] + NEW_REQUEST[2:]], [], [ROW], [1, [], []]),
      r"request 'a': expected integers, got '2'"),
-    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST[:2] + [{"top_k": "x"}] + NEW_REQUEST[3:]], [], [ROW], [1, []]),
+    (_json("lockstep-plan/3", 0, [], [NEW_REQUEST[:2] + [{"top_k": "x"}] + NEW_REQUEST[3:]], [], [ROW], [1, [], []]),
      r"request 'a': invalid sampling parameters"),
-    (_json("lockstep-plan/2", 0, [], [NEW_REQUEST], [], [ROW], [1, [[1, True]]]), "the window: expected integers"),
+    (_json("lockstep-plan/3", 0, [], [NEW_REQUEST], [], [ROW], [1, [[1, True]], []]), "the window: expected integers"),
+    (_json("lockstep-plan/3", 0, [], [NEW_REQUEST], [], [ROW], [1, [], [["1", "a", "/p"]]]),
+     "the window: expected integers"),
+    (_json("lockstep-plan/3", 0, [], [NEW_REQUEST], [], [ROW], [1, [], [[1, "a"]]]), r"\[slot, name, path\]"),
+    (_json("lockstep-plan/3", 0, [], [NEW_REQUEST], [], [ROW[:12] + [True]], [1, [], []]),
+     r"sequence \('a', 0\): expected integers, got True"),
 ])
 def test_malformed_messages_raise_value_errors(data, error):
     with pytest.raises(ValueError, match=error):
@@ -319,10 +324,11 @@ def test_the_codec_imports_no_torch():
 
 
 def test_a_well_formed_json_message_decodes():
-    plan = PlanDecoder().decode(_json("lockstep-plan/2", 0, [], [NEW_REQUEST], [], [ROW], [1, [[2, 3]]]))
+    window = [1, [[2, 3]], [[1, "a", "/adapters/a"]]]
+    plan = PlanDecoder().decode(_json("lockstep-plan/3", 0, [], [NEW_REQUEST], [], [ROW], window))
     [row] = plan.rows
-    assert (row.seq.token_ids, row.seq.block_ids, row.remaining_tokens, plan.block_copies) == \
-        ([1, 2, 3], [4], 16, [(2, 3)])
+    assert (row.seq.token_ids, row.seq.block_ids, row.remaining_tokens, row.seq.lora_slot, plan.block_copies,
+            plan.lora_loads) == ([1, 2, 3], [4], 16, 0, [(2, 3)], [(1, "a", "/adapters/a")])
 
 
 def test_every_sampling_parameter_survives_the_wire():

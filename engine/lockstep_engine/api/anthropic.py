@@ -372,9 +372,9 @@ def _prepare(serving, body: MessagesRequest):
 
 
 async def create_message(serving, body: MessagesRequest, request: Request):
-    serving.check_model(body.model)
+    lora_name = serving.check_model(body.model)
     tool_call, prompt, params = await asyncio.to_thread(_prepare, serving, body)
-    _, generation = serving.submit("msg", [prompt], [None], params)
+    _, generation = serving.submit("msg", [prompt], [None], params, lora_name=lora_name)
     parser = getattr(serving, "reasoning_parser", None)
     reply = _Reply(_new_id("msg"), body.model or serving.model_name, generation, tool_call, parser,
                    stream=reasoning.ReasoningStream(parser) if parser else None)

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from lockstep_engine import __version__
-from lockstep_engine.api import anthropic, error_messages, metrics, responses
+from lockstep_engine.api import anthropic, error_messages, lora, metrics, responses
 from lockstep_engine.api import tokenize as token_routes
 from lockstep_engine.api.body_text import undecodable_text
 from lockstep_engine.api.client import CoreTimeouts, EngineCoreClient
@@ -439,20 +439,16 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
     async def models():
-        serving = state.require_serving()
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "lockstep",
-             "root": engine_config.model, "parent": None, "max_model_len": serving.config.max_model_len}
-            for name in serving.served_model_names]}
+        return {"object": "list", "data": lora.model_cards(state.require_serving(), int(time.time()),
+                                                            engine_config.model)}
 
     @app.get("/v1/models/{model_id:path}", responses=_ERROR_RESPONSES)
     async def model(model_id: str):
-        serving = state.require_serving()
-        if model_id not in serving.served_model_names:
+        card = next((c for c in lora.model_cards(state.require_serving(), int(time.time()), engine_config.model)
+                     if c["id"] == model_id), None)
+        if card is None:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model")
-        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "lockstep",
-                "root": engine_config.model, "parent": None, "max_model_len": serving.config.max_model_len}
+        return card
 
     @app.get("/ping", responses={503: {"model": ErrorResponse}})  # a route per method: one OpenAPI operation id each
     @app.post("/ping", responses={503: {"model": ErrorResponse}})
@@ -470,6 +466,8 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings) -> FastAPI:
 
     responses.register(app, state, _ERROR_RESPONSES)
     anthropic.register(app, state, _ERROR_RESPONSES)
+    if engine_config.enable_lora and lora.runtime_updates_allowed():
+        lora.register(app, state, _ERROR_RESPONSES)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):

@@ -124,6 +124,9 @@ class EngineCoreClient:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._watchdog: asyncio.Task | None = None
         self._columns = p.ColumnCache()  # the core sends a window's token-batch columns once
+        self.adapters: dict[str, str] = {}  # registered LoRA adapters, name -> path (the core's `Adapters`)
+        self.max_loras = 0
+        self._adapter_calls: dict[str, asyncio.Future] = {}  # load/unload calls waiting for the core's answer
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -194,8 +197,8 @@ class EngineCoreClient:
             self._send_conn.close()
 
     # ---- requests ---------------------------------------------------------------------------
-    def submit(self, request_ids: list[str], prompts: list[list[int]], params, prompt_texts: list[str | None]
-               ) -> Generation:
+    def submit(self, request_ids: list[str], prompts: list[list[int]], params, prompt_texts: list[str | None],
+               lora_name: str | None = None) -> Generation:
         """Queues one core request per prompt (same params) and returns what to wait on."""
         if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "the engine core is not ready")
@@ -213,8 +216,19 @@ class EngineCoreClient:
         for rid, ids in zip(request_ids, prompts):
             self._generations[rid] = generation
             metrics.request_started(rid, now, len(ids), params)
-            self._send(p.AddRequest(rid, list(ids), sampling, now))
+            self._send(p.AddRequest(rid, list(ids), sampling, now, lora_name))
         return generation
+
+    async def adapter_call(self, message: p.LoadAdapter | p.UnloadAdapter, timeout_s: float = 120.0) -> p.AdapterReply:
+        """Sends a LoRA adapter load or unload to the core and waits for its answer."""
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "the engine core is not ready")
+        future = self._adapter_calls[message.call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(message)
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._adapter_calls.pop(message.call_id, None)
 
     def abort(self, generation: Generation) -> None:
         """Stops a generation's unfinished requests (client gone); their blocks are freed by the core."""
@@ -277,6 +291,12 @@ class EngineCoreClient:
             self.stats = message
         elif isinstance(message, p.CoreMetrics):
             self.core_metrics = message
+        elif isinstance(message, p.Adapters):
+            self.adapters, self.max_loras = dict(message.adapters), message.max_loras
+        elif isinstance(message, p.AdapterReply):
+            future = self._adapter_calls.get(message.call_id)
+            if future is not None and not future.done():
+                future.set_result(message)
         elif isinstance(message, p.Heartbeat):
             self._loop_progress_at = max(self._loop_progress_at, message.loop_progress_at)
             self.stats = message.stats if self.ready is not None else self.stats
@@ -351,6 +371,9 @@ class EngineCoreClient:
             state = self.processor.states.pop(rid, None)
             metrics.request_finished(rid, state, "error")
         self._generations.clear()
+        for future in self._adapter_calls.values():
+            if not future.done():
+                future.set_exception(error)
 
 
 def _summary(message: str) -> str:

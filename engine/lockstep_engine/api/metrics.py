@@ -61,6 +61,7 @@ def register_engine(client, model_name: str) -> ServerMetrics:
     """Names the model and points the gauges at the client's latest stats, once the core is ready."""
     ENGINE.attach(model_name, client.ready, client.config.enable_prefix_caching, lambda: client.stats,
                   lambda: client.core_metrics, client.config.gpu_memory_utilization)
+    ENGINE.max_loras = client.config.max_loras if client.config.enable_lora else 0
     return ENGINE
 
 

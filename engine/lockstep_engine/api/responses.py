@@ -307,9 +307,9 @@ def _prepare(serving, body: ResponsesRequest):
 
 
 async def create_response(serving, body: ResponsesRequest, request: Request):
-    serving.check_model(body.model)
+    lora_name = serving.check_model(body.model)
     fmt, tool_call, prompt, params = await asyncio.to_thread(_prepare, serving, body)
-    _, generation = serving.submit("resp", [prompt], [None], params)
+    _, generation = serving.submit("resp", [prompt], [None], params, lora_name=lora_name)
     reply = _Reply(body, fmt, _new_id("resp"), int(time.time()), body.model or serving.model_name, generation,
                    params.temperature, params.top_p, tool_call, getattr(serving, "reasoning_parser", None))
     if body.stream:

@@ -84,10 +84,15 @@ class OpenAIServing:
         return self.tokenizer is not None and bool(self.defaults.chat_template
                                                    or getattr(self.tokenizer, "chat_template", None))
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist. Available: {', '.join(self.served_model_names)}.",
-                           "model")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: a served name of the base model, or no name);
+        404 naming it when it is neither."""
+        if name is None or name in self.served_model_names:
+            return None
+        if name in self.client.adapters:
+            return name
+        available = ", ".join([*self.served_model_names, *self.client.adapters])
+        raise APIError(404, f"The model `{name}` does not exist. Available: {available}.", "model")
 
     trust_request_chat_template = False  # --trust-request-chat-template
 
@@ -233,14 +238,14 @@ class OpenAIServing:
             raise bad_request(str(error), error.param) from None
 
     def submit(self, kind: str, prompts: list[list[int]], texts: list[str | None], params: SamplingParams,
-               client_request_id: str | None = None) -> tuple[str, Generation]:
+               client_request_id: str | None = None, lora_name: str | None = None) -> tuple[str, Generation]:
         """The response's id is vLLM's `{kind}-{request_id}` when the client names one; the engine's own ids
         stay unique, so two requests that send the same `request_id` never meet in the engine."""
         internal_id = f"{kind}-{uuid.uuid4().hex}"
         response_id = internal_id if client_request_id is None else f"{kind}-{client_request_id}"
         request_ids = [f"{internal_id}-{i}" for i in range(len(prompts))]
         try:
-            return response_id, self.client.submit(request_ids, prompts, params, texts)
+            return response_id, self.client.submit(request_ids, prompts, params, texts, lora_name)
         except EngineBusyError as error:
             raise refused_unstarted(str(error), retry_after=True) from None
         except EngineDeadError as error:
@@ -266,7 +271,7 @@ class OpenAIServing:
         return ids, texts
 
     async def create_completion(self, body: CompletionRequest, request: Request):
-        self.check_model(body.model)
+        lora_name = self.check_model(body.model)
         if body.suffix:
             raise bad_request("suffix: fill-in-the-middle is not supported", "suffix")
         if body.best_of is not None and body.best_of > 1:
@@ -277,7 +282,7 @@ class OpenAIServing:
         params = self.sampling_params(body, body.max_tokens, body.logprobs, constraint)
         self.validate(prompts, params)
         await self.grammars.check(constraint)
-        response_id, generation = self.submit("cmpl", prompts, texts, params, body.request_id)
+        response_id, generation = self.submit("cmpl", prompts, texts, params, body.request_id, lora_name)
         job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation,
                    [t if t is not None else self.decode(ids) for t, ids in zip(texts, prompts)] if body.echo else [],
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs, bool(body.echo))
@@ -339,7 +344,7 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
-        self.check_model(body.model)
+        lora_name = self.check_model(body.model)
         tool_call = tools.ToolCalling.of(body, self.tool_call_parser)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
@@ -351,7 +356,7 @@ class OpenAIServing:
         params = self.sampling_params(body, max_tokens, logprobs, constraint)
         self.validate([prompt], params)
         await self.grammars.check(constraint)
-        response_id, generation = self.submit("chatcmpl", [prompt], [None], params, body.request_id)
+        response_id, generation = self.submit("chatcmpl", [prompt], [None], params, body.request_id, lora_name)
         job = _Job(response_id, int(time.time()), body.model or self.model_name, params.n, generation, [],
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs,
                    chunk_object="chat.completion.chunk", tool_call=tool_call)

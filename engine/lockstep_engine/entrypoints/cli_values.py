@@ -110,3 +110,23 @@ def config_file_args(argv: list[str], parser: argparse.ArgumentParser) -> list[s
     if rest and not rest[0].startswith("-"):
         return [rest[0], *from_file, *rest[1:]]  # the command line's MODEL wins
     return [*model, *from_file, *rest]
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """One `--lora-modules` value, as vLLM takes it: `name=path`, or a JSON object with `name` and `path` (and
+    an optional `base_model_name`, which names the served model and is not needed here)."""
+    value = text.strip()
+    if value.startswith("{"):
+        try:
+            data = json.loads(value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid JSON: {error}") from None
+        if not (isinstance(data, dict) and isinstance(data.get("name"), str) and isinstance(data.get("path"), str)
+                and data["name"] and data["path"]):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a JSON object with name and path strings")
+        return data["name"], data["path"]
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected name=path or a JSON object with name and "
+                                         f"path")
+    return name, path

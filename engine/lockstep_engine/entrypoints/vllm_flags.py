@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lockstep_engine.config import speculative_config_arg
-from lockstep_engine.entrypoints.cli_values import human_readable_int, json_list, json_object
+from lockstep_engine.entrypoints.cli_values import human_readable_int, json_list, json_object, lora_module
 
 if TYPE_CHECKING:
     from lockstep_engine.api.server_defaults import ServerDefaults
@@ -45,7 +45,6 @@ class Flag:
         return self.name.lstrip("-").replace("-", "_")
 
 
-_NO_LORA = "LoRA adapters are not implemented"
 _TEXT_ONLY = "only text-only Llama-family decoders are served (no multimodal inputs)"
 _ONE_ENGINE = "one engine per server; scale out with replicas behind the gateway"
 _NO_MOE = "no mixture-of-experts models are served"
@@ -97,7 +96,7 @@ FLAGS: tuple[Flag, ...] = (
     _r("--tool-server", "no built-in tool servers (the Responses API is stateless here)"),
     _n("--exclude-tools-when-tool-choice-none", "tools are always rendered into the prompt as the template does",
        "bool"),
-    _r("--lora-modules", _NO_LORA, "values"),
+    _s("--lora-modules", "LoRA adapters loaded at start: name=path or vLLM's JSON object"),
     _r("--return-tokens-as-token-ids", "not implemented as a server-wide default", "bool"),
     _n("--disable-frontend-multiprocessing", "the API server and the engine core are always separate processes",
        "bool"),
@@ -221,15 +220,16 @@ FLAGS: tuple[Flag, ...] = (
     _r("--interleave-mm-strings", _TEXT_ONLY, "bool"),
     _n("--skip-mm-profiling", _TEXT_ONLY, "bool"),
     # ---- LoRA -------------------------------------------------------------------------------
-    _r("--enable-lora", _NO_LORA, "bool"),
-    _r("--enable-lora-bias", _NO_LORA, "bool"),
-    _r("--max-loras", _NO_LORA, accepted=("1",)),
-    _r("--max-lora-rank", _NO_LORA, accepted=("16",)),
-    _r("--lora-extra-vocab-size", _NO_LORA, accepted=("256",)),
-    _r("--lora-dtype", _NO_LORA, accepted=("auto",)),
-    _r("--max-cpu-loras", _NO_LORA),
-    _r("--fully-sharded-loras", _NO_LORA, "bool"),
-    _r("--default-mm-loras", _NO_LORA),
+    _s("--enable-lora", "LoRA adapters (PEFT), several in one batch"),
+    _r("--enable-lora-bias", "LoRA adapters without bias only", "bool"),
+    _s("--max-loras", "adapters in the model's weight slots at once (default 1)"),
+    _s("--max-lora-rank", "the largest adapter rank (default 16)"),
+    _n("--lora-extra-vocab-size", "adapters add no vocabulary", accepted=("256",)),
+    _r("--lora-dtype", "adapter weights take the model's dtype", accepted=("auto",)),
+    _s("--max-cpu-loras", "adapters registered at once (default: max-loras, or the --lora-modules count)"),
+    _n("--fully-sharded-loras", "with tensor parallelism the B (column-parallel) or A (row-parallel) matrices "
+                                "are sharded like the base weight", "bool"),
+    _r("--default-mm-loras", _TEXT_ONLY),
     # ---- observability ----------------------------------------------------------------------
     _n("--show-hidden-metrics-for-version", "the deprecated vllm:time_per_output_token_seconds is still exported"),
     _r("--otlp-traces-endpoint", "no OpenTelemetry tracing; /metrics has the request-phase histograms"),
@@ -352,6 +352,14 @@ def add_supported_flags(server, engine) -> None:
                         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_max": 4} or {"method": "draft_model", "model": SOURCE, '
                              '"num_speculative_tokens": 3}')
+    engine.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT) of the model")
+    engine.add_argument("--lora-modules", type=lora_module, nargs="+", default=[], metavar="NAME=PATH",
+                        help='adapters loaded at start: name=path, or {"name": .., "path": ..}; the name is the '
+                             "request's model")
+    engine.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (weight slots, default 1)")
+    engine.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (default 16)")
+    engine.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters registered at once (default: max-loras, or the --lora-modules count)")
     engine.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf", "slow", "mistral", "custom"],
                         help="auto / hf: the fast Hugging Face tokenizer (slow, mistral, custom are refused)")
 

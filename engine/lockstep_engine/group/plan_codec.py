@@ -45,7 +45,8 @@ encoder records each message as delivered: a message it produced must reach ever
 What the mirrors hold: per request `request_id`, `prompt_token_ids`, `params`, `max_model_len`,
 `seed` and `forked` (siblings of an n > 1 request share one mirror `Request`, whose `sequences` are
 the mirrored siblings in index order); per sequence `index`, `token_ids`, `block_ids`, and, as of
-the latest window, `status` RUNNING and `num_computed` = the row's `start_computed`. That is what
+the latest window, `status` RUNNING, `num_computed` = the row's `start_computed` and its LoRA weight slot
+`lora_slot`; a window also carries the LoRA adapters to load into slots before it runs. That is what
 the model runner and guided decoding read; a guided matcher set on a mirror sequence stays with it.
 Logprobs, prefix-cache hashes and timings stay on the leader.
 """
@@ -59,7 +60,7 @@ from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.scheduler import ScheduledSeq, WindowPlan
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
 
-FORMAT = "lockstep-plan/2"
+FORMAT = "lockstep-plan/3"
 Key = tuple[str, int]  # (request_id, index of the sequence within its request)
 
 
@@ -114,7 +115,8 @@ class PlanEncoder(_Tracked):
         new_requests: list[tuple] = []
         forks: list[tuple[str, bool]] = []
         rows = [self._encode_row(row, new_requests, forks) for row in plan.rows]
-        return self._message(number, released, new_requests, forks, rows, (plan.num_steps, plan.block_copies))
+        return self._message(number, released, new_requests, forks, rows,
+                             (plan.num_steps, plan.block_copies, plan.lora_loads))
 
     def encode_releases(self) -> bytes | None:
         """A message that only forgets finished sequences, or None when there is nothing to forget."""
@@ -133,7 +135,8 @@ class PlanEncoder(_Tracked):
 
     def _message(self, number: int, released, new_requests, forks, rows, window) -> bytes:
         # Lists of ints and strings (and each new request's parameters as a dict): a window of decodes
-        # is about 130 bytes a row (1000-token contexts of Llama 3 ids, 37-character request ids). `window` is (num_steps, block_copies), None for release-only.
+        # is about 130 bytes a row (1000-token contexts of Llama 3 ids, 37-character request ids). `window` is
+        # (num_steps, block_copies, lora_loads), None for release-only.
         try:
             data = json.dumps([FORMAT, number, released, new_requests, forks, rows, window], separators=(",", ":"),
                               allow_nan=False).encode()
@@ -169,7 +172,8 @@ class PlanEncoder(_Tracked):
         block_keep, new_blocks = _block_delta(sent)
         # The layout `PlanDecoder._apply_row` takes.
         return (request.request_id, seq.index, is_new, token_keep, new_tokens, block_keep, new_blocks,
-                row.num_new_tokens, row.samples, row.max_steps, row.start_computed, row.remaining_tokens)
+                row.num_new_tokens, row.samples, row.max_steps, row.start_computed, row.remaining_tokens,
+                seq.lora_slot)
 
     def _track(self, key: Key, seq: Sequence, new_requests: list[tuple]) -> _SentSequence:
         request = seq.request
@@ -262,9 +266,13 @@ class PlanDecoder(_Tracked):
                 raise PlanCodecError(f"request {record[0]!r} was sent without any of its sequences")
         if window is None:
             return None
-        num_steps, block_copies = window
-        _check_ints("the window", num_steps, *(b for pair in block_copies for b in pair))
-        return WindowPlan(rows=scheduled, num_steps=num_steps, block_copies=[(src, dst) for src, dst in block_copies])
+        num_steps, block_copies, lora_loads = window
+        _check_ints("the window", num_steps, *(b for pair in block_copies for b in pair),
+                    *(load[0] for load in lora_loads))
+        if not all(len(load) == 3 and isinstance(load[1], str) and isinstance(load[2], str) for load in lora_loads):
+            raise PlanCodecError("the window's LoRA loads must be [slot, name, path] each")
+        return WindowPlan(rows=scheduled, num_steps=num_steps, block_copies=[(src, dst) for src, dst in block_copies],
+                          lora_loads=[(slot, name, path) for slot, name, path in lora_loads])
 
     def _mirror_request(self, request_id: str, what: str) -> Request:
         request = self._requests.get(request_id)
@@ -304,10 +312,10 @@ class PlanDecoder(_Tracked):
         return seq
 
     def _apply_row(self, request_id, index, is_new, token_keep, new_tokens, block_keep, new_blocks,
-                   num_new_tokens, samples, max_steps, start_computed, remaining_tokens) -> ScheduledSeq:
+                   num_new_tokens, samples, max_steps, start_computed, remaining_tokens, lora_slot) -> ScheduledSeq:
         key = (request_id, index)
         _check_ints(f"sequence {key}", index, token_keep, block_keep, num_new_tokens, max_steps, start_computed,
-                    remaining_tokens, *new_tokens, *new_blocks)
+                    remaining_tokens, lora_slot, *new_tokens, *new_blocks)
         if not isinstance(is_new, bool) or not isinstance(samples, bool):
             raise PlanCodecError(f"sequence {key}: the row's flags must be booleans")
         seq = self._add_sequence(key) if is_new else self._sequences.get(key)
@@ -321,7 +329,7 @@ class PlanDecoder(_Tracked):
         if start_computed < 0 or num_new_tokens < 0 or end > seq.num_tokens:
             raise PlanCodecError(f"sequence {key}: the row computes tokens [{start_computed}, {end}) but the "
                                  f"mirror holds {seq.num_tokens}")
-        seq.status, seq.num_computed = SequenceStatus.RUNNING, start_computed
+        seq.status, seq.num_computed, seq.lora_slot = SequenceStatus.RUNNING, start_computed, lora_slot
         return ScheduledSeq(seq, num_new_tokens, samples, max_steps, start_computed, remaining_tokens)
 
 

@@ -122,7 +122,11 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
+    lora = None  # the runner's `lora.model.ModelLoRA` when LoRA adapters are on
+
     def forward(self, input_ids, positions, meta, hidden=None) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.set_slots(meta.lora_slots)
         return self.model(input_ids, positions, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ class _Eager:
 
 
 class _Graph:
-    def __init__(self, steps, bucket: int, greedy: bool, filtered: bool, pool, capture: bool = True):
+    def __init__(self, steps, bucket: int, greedy: bool, filtered: bool, pool, capture: bool = True,
+                 lora: bool = False):
         device, vocab = steps.device, steps.vocab_size
         width = -(-steps.max_model_len // steps.block_size)
         i64 = dict(dtype=torch.int64, device=device)
@@ -46,6 +47,8 @@ class _Graph:
             "table": torch.full((bucket, width), steps.num_blocks, **i64),
             "emitted": torch.full((2, bucket), -1, **i64),  # tokens; finish codes
         }
+        # LoRA weight slot per row (a graph with adapters among its rows is captured apart from one without)
+        self.lora_slots = torch.zeros(bucket, **i64) if lora else None
         self.sampling = SamplingTensors(
             temperature=torch.zeros(bucket, dtype=torch.float32, device=device),
             top_k=torch.full((bucket,), vocab, **i64),
@@ -57,7 +60,7 @@ class _Graph:
 
         def body():
             state = DecodeState(sampling=self.sampling, counts=None, table=self.inputs["table"],
-                                **{name: self.inputs[name] for name in _STATE_FIELDS})
+                                lora_slots=self.lora_slots, **{name: self.inputs[name] for name in _STATE_FIELDS})
             steps.step(state, steps.max_model_len, None)
             for name in _STATE_FIELDS:
                 self.inputs[name].copy_(getattr(state, name))
@@ -91,6 +94,9 @@ class _Graph:
         table[:rows, :state.table.shape[1]].copy_(state.table)
         for name in _SAMPLING_FIELDS:
             getattr(self.sampling, name)[:rows].copy_(getattr(state.sampling, name))
+        if self.lora_slots is not None:
+            self.lora_slots.zero_()
+            self.lora_slots[:rows].copy_(state.lora_slots)
         stop = self.sampling.stop_ids
         stop.fill_(-1)
         stop[:rows, :state.sampling.stop_ids.shape[1]].copy_(state.sampling.stop_ids)
@@ -103,7 +109,7 @@ class DecodeGraphs:
     def __init__(self, steps, capture: bool = True):
         self.steps = steps
         self.capture = capture
-        self.graphs: dict[tuple[int, bool, bool], _Graph] = {}
+        self.graphs: dict[tuple[int, bool, bool, bool], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.sink_block = steps.num_blocks
 
@@ -114,11 +120,11 @@ class DecodeGraphs:
                 and t.bad_last is None and t.stop_ids.shape[1] <= MAX_STOP_IDS
                 and state.tokens.shape[0] <= BUCKETS[-1])
 
-    def _graph(self, rows: int, t: SamplingTensors) -> _Graph:
+    def _graph(self, rows: int, t: SamplingTensors, lora: bool = False) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)
-        key = (bucket, t.all_greedy, t.any_filter)
+        key = (bucket, t.all_greedy, t.any_filter, lora)
         if key not in self.graphs:
-            self.graphs[key] = _Graph(self.steps, bucket, t.all_greedy, t.any_filter, self.pool, self.capture)
+            self.graphs[key] = _Graph(self.steps, bucket, t.all_greedy, t.any_filter, self.pool, self.capture, lora)
         return self.graphs[key]
 
     def warmup(self, max_rows: int) -> None:
@@ -131,6 +137,6 @@ class DecodeGraphs:
             print(f"[lockstep] captured decode graph for batch {bucket}", file=sys.stderr, flush=True)
 
     def begin(self, state) -> _Graph:
-        graph = self._graph(state.tokens.shape[0], state.sampling)
+        graph = self._graph(state.tokens.shape[0], state.sampling, state.lora_slots is not None)
         graph.load(state)
         return graph

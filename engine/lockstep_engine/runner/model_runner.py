@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import torch
 
 from lockstep_engine.attention_backends import make_backend
-from lockstep_engine.config import EngineConfig
+from lockstep_engine.config import DEFAULT_BATCHED_TOKENS, EngineConfig
 from lockstep_engine.log import log
 from lockstep_engine.models.llama import LlamaForCausalLM
 from lockstep_engine.parallel import SINGLE, ParallelState, head_weight_in_layers, stage_layers
-from lockstep_engine.runner.cuda_graphs import DecodeGraphs
+from lockstep_engine.runner.cuda_graphs import BUCKETS, DecodeGraphs
 from lockstep_engine.runner.host_stream import HostRing, StepStream, WindowTail
 from lockstep_engine.runner.outputs import Guide, GuideFactory, StepOutput, StepTag, WindowTimings
 from lockstep_engine.runner.pipelined import run_pipelined
@@ -92,6 +93,9 @@ class ModelRunner:
         self._load_weights(source)
         log(f"loaded {source.spec} on {self.device} as {str(self.dtype).removeprefix('torch.')} "
             f"in {time.monotonic() - started:.1f}s")
+        # LoRA weight slots before the KV cache is sized, so the cache gets what they leave
+        self.lora = self.model.lora = self._make_lora() if config.enable_lora else None
+        self._adapters: OrderedDict[tuple[str, str], object] = OrderedDict()  # read adapters (`read_lora`)
         self.block_size = config.block_size
         self.num_blocks = self._count_kv_blocks()
         if state.tp_size * state.pp_size > 1:
@@ -148,6 +152,41 @@ class ModelRunner:
 
         self.model.load_weights(progress())
         log("loading weights 100%")
+
+    def _make_lora(self):
+        from lockstep_engine.lora.model import ModelLoRA
+
+        config = self.config
+        rows = config.max_num_seqs * self.micro_batches
+        tokens = (config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, config.max_num_seqs)) * self.micro_batches
+        lora = ModelLoRA(self.model, config.max_loras, config.max_lora_rank, max(tokens + rows, BUCKETS[-1]),
+                         self.device, self.dtype)
+        log(f"LoRA: {config.max_loras} adapter slot(s) of rank <= {config.max_lora_rank} "
+            f"({lora.nbytes / 2**20:.1f} MiB)")
+        return lora
+
+    def read_lora(self, name: str, path: str):
+        """The adapter at `path` (`lora.adapters.LoRAAdapter`), read and checked against this model once and
+        kept for max_cpu_loras adapters; `lora.adapters.AdapterError` names what is wrong with it."""
+        from lockstep_engine.lora.adapters import read_adapter
+
+        key = (name, path)
+        adapter = self._adapters.get(key)
+        if adapter is None:
+            adapter = read_adapter(name, path, self.model_config, self.config.max_lora_rank)
+            self._adapters[key] = adapter
+            while len(self._adapters) > self.config.max_cpu_loras:
+                self._adapters.popitem(last=False)
+        self._adapters.move_to_end(key)
+        return adapter
+
+    def forget_lora(self, name: str, path: str) -> None:
+        self._adapters.pop((name, path), None)
+
+    def load_loras(self, loads: list[tuple[int, str, str]]) -> None:
+        """Puts adapters into the model's weight slots (a window's `lora_loads`), before its first step."""
+        for slot, name, path in loads:
+            self.lora.load(slot, self.read_lora(name, path))
 
     def _kv_bytes_per_block(self) -> int:
         attn = self.model.attention_layers()[0]
@@ -244,6 +283,8 @@ class ModelRunner:
         window's callback) as soon as this window's first step is queued. With `defer_tail` this window
         leaves its own last step undelivered in `timings.tail` in the same way."""
         started = time.perf_counter()
+        if plan.lora_loads:
+            self.load_loras(plan.lora_loads)
         self.copy_blocks(plan.block_copies)
         if plan.speculation is not None:
             if tail is not None:

@@ -81,6 +81,7 @@ _remaining = attrgetter("remaining_tokens")
 _prompt_ids = attrgetter("seq.request.prompt_token_ids")
 _token_ids = attrgetter("seq.token_ids")
 _num_pending = attrgetter("seq.num_pending")
+_lora_slot = attrgetter("seq.lora_slot")
 
 
 class BlockTables:
@@ -139,6 +140,7 @@ def first_step_arrays(rows, block_size: int, sink_block: int, tables: BlockTable
     block_table: [rows, max_blocks] padded with the sink block (from `tables` when given); sample_index
     (flattened index of each sampling row's last token), sample_sel (its row), num_generated, max_steps,
     budget (tokens it may still sample before max_tokens or max_model_len end it): [sampling rows].
+    lora_tokens [tokens] and lora_rows [sampling rows]: LoRA weight slots, only when a row has an adapter.
     Rows whose sequence has a token pending on the device (`Sequence.num_pending`) are carried: they are
     decode rows, and carry_token / carry_sample [carried rows] say where their device tokens go.
     """
@@ -179,6 +181,10 @@ def first_step_arrays(rows, block_size: int, sink_block: int, tables: BlockTable
         "max_steps": np.fromiter(map(_max_steps, sampling_rows), np.int64, count),
         "budget": np.fromiter(map(_remaining, sampling_rows), np.int64, count),
     }
+    lora = np.fromiter(map(_lora_slot, rows), np.int64, num_rows)
+    if lora.any():  # LoRA weight slots: per token, and per sampling row for the decode steps (0: the base model)
+        arrays["lora_tokens"] = lora[token_row]
+        arrays["lora_rows"] = lora[sample_sel]
     if carried.size:
         # Where each carried row's token goes: its flattened token index, and its index among the sampling
         # rows (whose device state starts from the previous window's: `Steps.first_step`).

@@ -120,7 +120,7 @@ class Steps:
         slot = state.table.gather(1, block_index.unsqueeze(1)).squeeze(1) * bs + state.positions % bs
         slot = torch.where(state.done, self.sink_slot, slot)
         return AttentionMetadata(slot_mapping=slot, block_tables=state.table, seq_lens=state.positions + 1,
-                                 query_start_loc=None, max_seq_len=max_seq_len)
+                                 query_start_loc=None, max_seq_len=max_seq_len, lora_slots=state.lora_slots)
 
     def decode_forward(self, state: DecodeState, max_seq_len: int, guide, sends: list | None = None):
         """This stage's share of a decode step of every sampling row: the samples on the last stage,
@@ -198,7 +198,7 @@ class Steps:
             slot_mapping=views["slots"], block_tables=views["block_table"], seq_lens=views["seq_lens"],
             query_start_loc=None if decode_only else views["query_start"],
             query_start_loc_host=host["query_start"].tolist(), seq_lens_host=seq_lens.tolist(),
-            max_seq_len=int(seq_lens.max()))
+            max_seq_len=int(seq_lens.max()), lora_slots=views.get("lora_tokens"))
         return FirstStep(
             input_ids=views["input_ids"], positions=views["positions"], meta=meta, block_table=views["block_table"],
             seq_lens=views["seq_lens"], sample_index=views["sample_index"], sample_sel=views["sample_sel"],
@@ -206,7 +206,7 @@ class Steps:
             max_steps=views["max_steps"], budget=views["budget"],
             max_dec_len=int(seq_lens[host["sample_sel"]].max(initial=0)),
             prompt=prompt, prompt_index=views.get("prompt_index"), prompt_targets=views.get("prompt_targets"),
-            recent=views.get("recent"), initial_done=initial_done)
+            recent=views.get("recent"), initial_done=initial_done, lora_rows=views.get("lora_rows"))
 
     def decode_state(self, first: FirstStep, out: SampleOutput) -> DecodeState:
         """Device state of the decode steps after step 1, with step 1's samples fed back."""
@@ -227,4 +227,4 @@ class Steps:
             tokens=tokens, positions=positions, table=table, done=done,
             steps_done=torch.zeros(n, dtype=torch.int64, device=self.device),
             max_steps=first.max_steps, budget=first.budget, num_generated=first.num_generated,
-            sampling=first.sampling, counts=first.counts, recent=first.recent)
+            sampling=first.sampling, counts=first.counts, recent=first.recent, lora_slots=first.lora_rows)

@@ -29,6 +29,7 @@ class DecodeState:
     # [2, rows]: this step's token per row (-1 where the row was done before it) and its finish code
     emitted: torch.Tensor | None = None
     recent: torch.Tensor | None = None  # [rows, H] latest outputs, with bad words of several tokens
+    lora_slots: torch.Tensor | None = None  # LoRA weight slot per row; None: no adapter among the rows
 
 
 @dataclass
@@ -56,6 +57,7 @@ class FirstStep:
     # [sampling rows] bool: rows carried from the previous window that ended there on the device (their
     # finish reaches the host with that window's last step); None: no row is done at the start
     initial_done: torch.Tensor | None = None
+    lora_rows: torch.Tensor | None = None  # [sampling rows] LoRA weight slots; None: no adapter among them
 
 
 def has_guided_rows(rows) -> bool:
