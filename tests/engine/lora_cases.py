@@ -17,10 +17,16 @@ BLOCK_SIZE = 16
 
 def prefill_logits(model: LlamaForCausalLM, prompts: list[list[int]]) -> torch.Tensor:
     """The last position's logits of each prompt, all prompts in one prefill forward: [prompts, vocab]."""
+    weight = model.lm_head.weight
+    with torch.device(weight.device):
+        return _prefill_logits(model, prompts, weight.dtype)
+
+
+def _prefill_logits(model: LlamaForCausalLM, prompts: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
     attn = model.attention_layers()[0]
     num_blocks = sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
     for layer in model.attention_layers():
-        layer.k_cache = torch.zeros(num_blocks + 1, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
+        layer.k_cache = torch.zeros(num_blocks + 1, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim, dtype=dtype)
         layer.v_cache = torch.zeros_like(layer.k_cache)
     tables, slot_mapping, starts, block = [], [], [0], 0
     for prompt in prompts:
@@ -57,8 +63,17 @@ TP_CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, n
                         num_attention_heads=8, num_key_value_heads=1, head_dim=8, max_position_embeddings=128)
 
 
-def tp_logits(tp_rank: int, tp_size: int, group) -> torch.Tensor:
-    """Logits of a seeded random model with two random adapters and the base mixed in one batch."""
+def tp_logits(tp_rank: int, tp_size: int, group, device: str = "cpu", dtype=torch.float32) -> torch.Tensor:
+    """Logits of a seeded random model with two random adapters and the base mixed in one batch (the
+    weights drawn on the CPU, so every device and layout sees the same ones)."""
+    model, lora = tp_model(tp_rank, tp_size, group, device, dtype)
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79], [32, 38, 46, 26, 43, 38, 32]]
+    lora.set_slots(torch.tensor([slot for slot, p in zip((1, 0, 2), prompts) for _ in p]))
+    return prefill_logits(model, prompts)
+
+
+def tp_model(tp_rank: int, tp_size: int, group, device: str = "cpu", dtype=torch.float32):
+    """TP_CONFIG's model with seeded random weights and adapters of rank 8 (slot 1) and 3 (slot 2)."""
     from lockstep_engine.sources import _weight_names
 
     torch.manual_seed(0)
@@ -67,11 +82,10 @@ def tp_logits(tp_rank: int, tp_size: int, group) -> torch.Tensor:
     backend = TorchPagedAttention(c.num_attention_heads // tp_size, 1, c.head_dim, BLOCK_SIZE)
     model = LlamaForCausalLM(c, state, backend)
     model.load_weights((name, torch.randn(shape) * 0.2) for name, shape in _weight_names(c))
-    lora = ModelLoRA(model, max_loras=2, max_rank=8, max_tokens=64, device="cpu", dtype=torch.float32)
+    model.to(device, dtype)
+    lora = ModelLoRA(model, max_loras=2, max_rank=8, max_tokens=64, device=device, dtype=dtype)
     for slot, rank in ((1, 8), (2, 3)):
         weights = {(layer, module): (torch.randn(rank, size_in), torch.randn(size_out, rank) * 0.1)
                    for layer in range(c.num_hidden_layers) for module, (size_in, size_out) in module_shapes(c).items()}
         lora.load(slot, LoRAAdapter(f"a{slot}", "-", rank, 2.0 / rank, weights))
-    prompts = [[3, 14, 15, 92, 65], [35, 89, 79], [32, 38, 46, 26, 43, 38, 32]]
-    lora.set_slots(torch.tensor([slot for slot, p in zip((1, 0, 2), prompts) for _ in p]))
-    return prefill_logits(model, prompts)
+    return model, lora

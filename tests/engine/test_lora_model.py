@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from lora_cases import BLOCK_SIZE, TP_CONFIG, TP_SCRIPT, prefill_logits, tp_logits
+from lora_cases import BLOCK_SIZE, TP_CONFIG, TP_SCRIPT, prefill_logits, tp_logits, tp_model
 from safetensors.torch import save_file
 
 from lockstep_engine.attention import TorchPagedAttention
@@ -119,6 +119,52 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     sharded = torch.load(out)
     assert torch.equal(sharded.argmax(-1), single.argmax(-1))
     torch.testing.assert_close(sharded, single, atol=1e-4, rtol=1e-4)
+
+
+
+def test_slot_buffers_have_the_designed_size_and_guard_their_slots(tmp_path):
+    model, lora = tp_model(0, 1, None)
+    # per slot and layer, elements of A [slices * 8, in] and B [out, 8]: qkv (3 slices, out 64 + 8 + 8),
+    # o_proj, gate_up (2 slices, out 2 * 128), down_proj; 3 slots, 2 layers, fp32; plus 64 int64 token slots
+    per_slot = (3 * 8 * 64 + 80 * 8) + (8 * 64 + 64 * 8) + (2 * 8 * 64 + 256 * 8) + (8 * 128 + 64 * 8)
+    assert lora.nbytes == per_slot * 3 * 2 * 4 + 64 * 8
+    adapter = read_adapter("fine", write_adapter(tmp_path), TP_CONFIG, max_rank=8)
+    for slot in (0, 3):
+        with pytest.raises(ValueError, match=f"LoRA slot {slot} is out of range"):
+            lora.load(slot, adapter)
+    with pytest.raises(ValueError, match="65 tokens exceed the LoRA slot buffer of 64"):
+        lora.set_slots(torch.ones(65, dtype=torch.int64))
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda_only
+def test_cuda_kernels_match_the_cpu_path_and_capture_in_a_graph():
+    """The bgmv path on CUDA gives the CPU plain path's logits; slots copied from a device tensor (no
+    host sync) inside a CUDA graph capture steer each replay."""
+    from lockstep_engine.lora.ops import add_lora_plain
+
+    cpu = tp_logits(0, 1, None)
+    gpu = tp_logits(0, 1, None, device="cuda")
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-3, rtol=1e-3)
+    model, lora = tp_model(0, 1, None, device="cuda", dtype=torch.bfloat16)
+    layer = model.model.layers["1"].self_attn.qkv_proj
+    x = torch.randn(6, 64, device="cuda", dtype=torch.bfloat16)
+    slots = torch.zeros(6, dtype=torch.int64, device="cuda")
+    with torch.inference_mode():
+        lora.set_slots(slots)
+        layer(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            lora.set_slots(slots)
+            y = layer(x)
+        for values in ([1, 2, 0, 2, 1, 1], [2] * 6):
+            slots.copy_(torch.tensor(values))
+            graph.replay()
+            expected = torch.nn.functional.linear(x, layer.weight)
+            add_lora_plain(x, expected, layer.lora.a, layer.lora.b, slots, sorted(set(values) - {0}), layer.lora.slices)
+            torch.testing.assert_close(y.float(), expected.float(), atol=5e-2, rtol=5e-2)
 
 
 def write_adapter(directory, rank=4, targets=("q_proj", "down_proj"), layers=(0, 1), config=None, tensors=None):

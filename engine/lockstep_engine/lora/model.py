@@ -57,7 +57,7 @@ class LoRALinear:
         if x.is_cuda and triton_available():
             add_lora_bgmv(x, y, self.a, self.b, slots, self.slices)
         else:
-            add_lora_plain(x, y, self.a, self.b, slots, owner.active_slots, self.slices)
+            add_lora_plain(x, y, self.a, self.b, slots, owner.distinct_slots(), self.slices)
 
     def load(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
         """One target's full A [r, in] and scaled B [out, r], padded to max_rank and sharded into `slot`."""
@@ -89,7 +89,7 @@ class ModelLoRA:
         self.layer_range = model.layer_range
         self.always_on = False  # set by the runner while capturing CUDA graphs: graph-safe kernels, always run
         self.has_adapters = False  # whether the slots of the current forward name any adapter
-        self.active_slots: list[int] = []  # the distinct non-zero slots of the current forward
+        self.active_slots: list[int] | None = []  # the distinct non-zero slots of the forward (None: not read yet)
         self.token_slots = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
         self.layers: dict[tuple[int, str], LoRALinear] = {}  # (layer index, module path) -> slots
         self.adapters: dict[int, str] = {}  # slot -> name of the adapter loaded there
@@ -105,7 +105,8 @@ class ModelLoRA:
 
     def set_slots(self, slots: torch.Tensor | None) -> None:
         """The next forward's slot per token ([tokens] int64; None: every token uses the base model).
-        Pass a host tensor: the flags are read from it without a device sync."""
+        A host tensor tells which adapters the batch uses without a device sync; a device tensor is only
+        copied (graph-safe), and the forward then runs the LoRA path for every token (slot 0 adds zeros)."""
         if slots is None:
             self.token_slots.zero_()
             self.has_adapters, self.active_slots = False, []
@@ -115,8 +116,17 @@ class ModelLoRA:
             raise ValueError(f"{count} tokens exceed the LoRA slot buffer of {self.token_slots.shape[0]}")
         self.token_slots[count:].zero_()
         self.token_slots[:count].copy_(slots, non_blocking=True)
-        self.active_slots = [slot for slot in torch.unique(slots.cpu()).tolist() if slot != 0]
-        self.has_adapters = bool(self.active_slots)
+        if slots.device.type == "cpu":
+            self.active_slots = [slot for slot in torch.unique(slots).tolist() if slot != 0]
+            self.has_adapters = bool(self.active_slots)
+        else:
+            self.active_slots, self.has_adapters = None, True
+
+    def distinct_slots(self) -> list[int]:
+        """The distinct non-zero slots of the current forward (read from the device once if need be)."""
+        if self.active_slots is None:
+            self.active_slots = [slot for slot in torch.unique(self.token_slots).tolist() if slot != 0]
+        return self.active_slots
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Puts `adapter` into `slot` (1..max_loras), replacing what was there."""
