@@ -559,6 +559,21 @@ def test_the_api_server_refuses_bad_adapters(release, kubectl, namespace, change
     assert kubectl.get("llmservices", "-n", namespace)["items"] == []
 
 
+LORA_EXAMPLE = EXAMPLE.parent / "llmservice-lora.yaml"
+
+
+def test_the_lora_example_is_a_spec_the_operator_serves():
+    manifest = yaml.safe_load(LORA_EXAMPLE.read_text())
+    spec = parse_spec(manifest["metadata"]["name"], manifest["spec"], default_image=IMAGE)
+    assert spec.lora is not None and [a.name for a in spec.lora.adapters] == ["sql", "legal", "support"]
+
+
+@pytest.mark.timeout(300)
+def test_the_api_server_accepts_the_lora_example(release, kubectl, namespace):
+    kubectl.run("apply", "-n", namespace, "-f", str(LORA_EXAMPLE))
+    assert kubectl.get("llmservice", "llama-8b", "-n", namespace)["spec"]["lora"] == {"maxLoras": 4, "maxLoraRank": 64}
+
+
 @pytest.mark.timeout(300)
 def test_the_api_server_accepts_adapters_and_fills_the_lora_defaults(release, kubectl, namespace):
     adapters = [{"name": "sql-v1.2", "source": "hf://acme/sql-lora@v1"},
