@@ -225,6 +225,7 @@ MALFORMED = {
                     "layer 0 up_proj has no lora_B weight"),
     "bias": (dict(config={"bias": "lora_only"}), None, "bias: 'lora_only' is not supported"),
     "modules_to_save": (dict(config={"modules_to_save": ["lm_head"]}), None, "modules_to_save: ['lm_head']"),
+    "LoRA bias": (dict(config={"lora_bias": True}), None, "lora_bias: True is not supported"),
     "missing config": (dict(), _remove("adapter_config.json"), "adapter_config.json: missing"),
     "missing weights": (dict(), _remove("adapter_model.safetensors"), "adapter_model.safetensors: missing"),
     "truncated weights": (dict(), _truncate, "adapter_model.safetensors: not a valid safetensors file"),

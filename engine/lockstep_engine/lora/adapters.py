@@ -99,9 +99,11 @@ def _check_config(config: dict, max_rank: int, fail) -> tuple[int, float, set[st
         raise fail(f"{field} use_dora", "DoRA adapters are not supported")
     if config.get("bias", "none") != "none":
         raise fail(f"{field} bias", f"{config['bias']!r} is not supported (expected 'none')")
-    for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
+    # per-module ranks, extra trained modules, LoRA biases, replicated layers: none has a slot to go to
+    for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "lora_bias", "layer_replication",
+                "target_parameters"):
         if config.get(key):
-            raise fail(f"{field} {key}", f"{config[key]!r} is not supported (expected it empty)")
+            raise fail(f"{field} {key}", f"{config[key]!r} is not supported (expected it unset or empty)")
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise fail(f"{field} r", f"{rank!r} is invalid (expected a positive integer)")
