@@ -25,7 +25,7 @@ import yaml
 
 from k8s_harness import EXAMPLE, free_port, wait_for
 from lockstep_engine.entrypoints.serve import build_parser
-from lockstep_operator import builders, pods
+from lockstep_operator import builders, plan, pods
 from lockstep_operator.config import OperatorConfig
 from lockstep_operator.inpod import FETCHER, LAUNCHER, LORA_SYNC
 from lockstep_operator.spec import SpecError, parse_spec
@@ -185,6 +185,17 @@ def test_what_cannot_be_served_is_refused_naming_the_field(adapters, lora, field
     with pytest.raises(SpecError) as error:
         _spec(adapters, lora)
     assert error.value.field == field and words in str(error.value), str(error.value)
+
+
+def test_an_invalid_adapter_is_reported_in_status_naming_the_field():
+    """An object the API server stored anyway (e.g. under an older CRD) is Ready=False, InvalidSpec."""
+    owner = {"apiVersion": "serving.lockstep.dev/v1alpha1", "kind": "LLMService",
+             "metadata": {**OWNER["metadata"], "generation": 3},
+             "spec": {"model": {"source": "smollm2"}, "loraAdapters": [{"name": "Sql", "source": "hf://a/b"}]}}
+    result = plan.plan_reconcile(owner, plan.Observed(), CONFIG, "2026-12-01T00:00:00Z")
+    ready = next(c for c in result.status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec") and not result.apply
+    assert ready["message"].startswith("spec.loraAdapters[0].name: must be at most 63 lowercase letters") and "'Sql'" in ready["message"]
 
 
 @pytest.mark.parametrize("flag", ["--enable-lora", "--max-loras=2", "--max-lora-rank", "--max-cpu-loras", "--lora-modules"])
@@ -549,7 +560,7 @@ def _manifest(name: str = "lora", **spec: Any) -> dict[str, Any]:
      "spec.loraAdapters names must differ from the served model name"),
     ({"lora": {"maxLoraRank": 24}}, 'spec.lora.maxLoraRank: Unsupported value: 24'),
     ({"lora": {"maxLoras": 0}}, "spec.lora.maxLoras: Invalid value: 0"),
-    ({"engine": {"extraArgs": ["--max-loras=4"]}}, "engine.extraArgs must not set --enable-lora, --max-loras"),
+    ({"engine": {"extraArgs": ["--max-loras=4"]}}, "nor --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras or --lora-modules: use spec.lora"),
 ], ids=["name-uppercase", "name-twice", "source-local-path", "source-hf-no-org", "source-pvc-bad-claim",
         "source-url-not-archive", "source-missing", "name-is-the-model", "rank-not-vllms", "max-loras-0",
         "flag-in-extra-args"])

@@ -32,17 +32,6 @@ def log(message):
     print(f"lora_sync.py: {message}", file=sys.stderr, flush=True)
 
 
-def read_adapters(path):
-    """{name: adapter} from the adapters file, or None when it cannot be read (then nothing changes)."""
-    try:
-        with open(path) as handle:
-            adapters = json.load(handle)["adapters"]
-        return {a["name"]: a for a in adapters}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        log(f"cannot read {path}: {error}")
-        return None
-
-
 def is_fetched(source):
     return source.startswith(("hf://", "http://", "https://"))
 
@@ -100,6 +89,17 @@ class AdapterSync:
             self.reported[what] = error
             log(f"{what}: {error}")
 
+    def read(self):
+        """{name: adapter} from the adapters file, or None when it cannot be read (then nothing changes)."""
+        try:
+            with open(self.adapters_file) as handle:
+                adapters = {a["name"]: a for a in json.load(handle)["adapters"]}
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            self.report(f"read {self.adapters_file}", str(error))
+            return None
+        self.report(f"read {self.adapters_file}", None)
+        return adapters
+
     def fetch(self, adapter):
         """Whether the adapter's files are in its path (fetched now if they were not)."""
         path = adapter["path"]
@@ -145,7 +145,7 @@ class AdapterSync:
 
     def sync_once(self):
         """One pass; whether it is complete (the leader's engine answered; elsewhere always)."""
-        wanted = read_adapters(self.adapters_file)
+        wanted = self.read()
         if wanted is None:
             return False
         ready = {name for name, a in wanted.items() if not is_fetched(a["source"]) or self.fetch(a)}
