@@ -45,8 +45,18 @@ class LLMEngine:
     def validate_prompt(self, token_ids: list[int]) -> None:
         validate_prompt(self.config, self.model_config, token_ids)
 
+    def lora_name(self, lora_request) -> str | None:
+        """The adapter name of a `lora_request` (a name, or an object with lora_name and lora_path, as vLLM's
+        LoRARequest, registered on first use); None for None."""
+        if lora_request is None or isinstance(lora_request, str):
+            return lora_request
+        adapters = self.core.scheduler.adapters
+        if adapters is not None and lora_request.lora_name not in adapters.registered:
+            adapters.load(lora_request.lora_name, lora_request.lora_path, self.executor.runner.read_lora)
+        return lora_request.lora_name
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, lora_name: str | None = None) -> str:
         """Validates and queues a request; raises SamplingParamsError naming the bad field."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -55,6 +65,10 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(request_id, token_ids, params, self.config.max_model_len, seed, prompt=text,
                           arrival_time=arrival_time or time.monotonic())
+        if lora_name is not None:
+            if self.core.scheduler.adapters is None:
+                raise ValueError("lora_request: LoRA adapters are off in this engine: create it with enable_lora=True")
+            request.adapter = self.core.scheduler.adapters.resolve(lora_name)
         self.core.add_request(request)
         self.processor.add_request(request_id, text, token_ids, params)
         return request_id

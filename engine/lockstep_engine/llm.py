@@ -30,7 +30,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
-                 = None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 = None, use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
+        """`lora_request`: a LoRA adapter for every prompt, or a list with one per prompt (None: the base model),
+        each a registered adapter's name or, as vLLM's LoRARequest, anything with `lora_name` and `lora_path`
+        (registered on first use)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -38,7 +41,11 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts (expected one "
                              f"or one per prompt)")
-        ids = [self.engine.add_request(_prompt_input(p), sp) for p, sp in zip(prompts, params_list)]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts (expected one or one per prompt)")
+        ids = [self.engine.add_request(_prompt_input(p), sp, lora_name=self.engine.lora_name(lora))
+               for p, sp, lora in zip(prompts, params_list, loras)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
