@@ -41,10 +41,11 @@ OPENAI_ROUTES_NOT_SERVED = (
 )
 _POOLING = "pooling models (embeddings, classification, scoring, reranking) are not served"
 _DEV = "vLLM's development and cluster-control routes are not served"
+_LORA_UPDATES = ("LoRA adapters are loaded and unloaded at run time only by an engine started with --enable-lora and "
+                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true")
 # Routes vLLM's server has that this one does not, and why: a client moving from vLLM hears which and why.
 VLLM_ROUTES_NOT_SERVED = {
-    "/v1/load_lora_adapter": "LoRA adapters are not implemented",
-    "/v1/unload_lora_adapter": "LoRA adapters are not implemented",
+    "/v1/load_lora_adapter": _LORA_UPDATES, "/v1/unload_lora_adapter": _LORA_UPDATES,
     "/sleep": "there is no sleep mode (weights stay loaded)",
     "/wake_up": "there is no sleep mode (weights stay loaded)",
     "/is_sleeping": "there is no sleep mode (weights stay loaded)",

@@ -204,7 +204,8 @@ def test_vllm_routes_this_server_lacks_are_openai_404s_naming_them(server):
         assert error["type"] == "NotFoundError" and error["code"] == 404
         assert f"this server does not serve {path} (a vLLM route)" in error["message"], error["message"]
     lora = httpx.post(server.url + "/v1/load_lora_adapter", headers=server.headers(), json={}, timeout=10)
-    assert "LoRA adapters are not implemented" in lora.json()["error"]["message"]
+    assert "only by an engine started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true" in \
+        lora.json()["error"]["message"]
 
 
 def test_the_first_streamed_chunk_carries_continuous_usage(server):

@@ -74,12 +74,12 @@ def test_every_unsupported_flag_gets_a_notice_or_a_refusal_that_says_why(flag, c
 
 def test_refusals_name_the_reason_and_defaults_pass_silently(capsys):
     with pytest.raises(SystemExit):
-        serve.parse_args(["random:tiny", "--enable-lora", "--kv-cache-dtype", "fp8"])
+        serve.parse_args(["random:tiny", "--enable-lora-bias", "--kv-cache-dtype", "fp8"])
     err = capsys.readouterr().err
-    assert "--enable-lora is not supported: LoRA adapters are not implemented" in err
+    assert "--enable-lora-bias is not supported: LoRA adapters without bias only" in err
     assert "--kv-cache-dtype fp8 is not supported: the KV cache is kept in the model's dtype" in err
     serve.parse_args(["random:tiny", "--kv-cache-dtype", "auto", "--data-parallel-size", "1", "-q", "None",
-                      "--max-loras", "1", "--disable-log-requests", "-tp", "1"])
+                      "--lora-dtype", "auto", "--disable-log-requests", "-tp", "1"])
     assert capsys.readouterr().err == ""
 
 
