@@ -615,3 +615,78 @@ def test_an_adapter_list_change_reaches_the_configmap_and_leaves_the_statefulset
     after = kubectl.get("statefulset", sts["metadata"]["name"], "-n", namespace)
     assert after["metadata"]["generation"] == sts["metadata"]["generation"]
     assert after["spec"]["template"] == sts["spec"]["template"]
+
+
+# --- the real engine, started by the launcher, with lora_sync.py beside it ---------------------------------
+
+
+def _peft_adapter(directory: Path, rank: int, seed: int) -> str:
+    """A PEFT adapter of random:tiny's q_proj (4 layers, hidden 128, 8 heads of 16)."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(4):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, 128, generator=generator) * 0.1
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(128, rank, generator=generator) * 0.1
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {"r": rank, "lora_alpha": 16, "target_modules": ["q_proj"], "bias": "none"}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_the_real_engine_serves_the_listed_adapters_and_follows_the_list(inpod, tmp_path):
+    import openai
+
+    from lockstep_operator.lora import engine_args as lora_args
+
+    first = _peft_adapter(tmp_path / "claim" / "first", rank=8, seed=1)
+    second = _peft_adapter(tmp_path / "claim" / "second", rank=8, seed=2)
+    too_big = _peft_adapter(tmp_path / "claim" / "big", rank=32, seed=3)
+    listed = tmp_path / "lora-adapters.json"
+    _write_list(listed, [{"name": "first", "source": "pvc://claim/first", "path": first},
+                         {"name": "big", "source": "pvc://claim/big", "path": too_big}])
+    port = free_port()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "LOCKSTEP_POD_INDEX": "0",
+           "LOCKSTEP_HTTP_PORT": str(port), "LOCKSTEP_CACHE": str(tmp_path / "cache"),
+           "LOCKSTEP_IMAGE_MODELS": str(tmp_path / "none"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
+           "LOCKSTEP_LORA_ADAPTERS_FILE": str(listed), "LOCKSTEP_LORA_READY_FILE": str(tmp_path / "lora-ready"),
+           "LOCKSTEP_LORA_POLL_SECONDS": "0.2"}
+    spec = _spec([{"name": "first", "source": "pvc://claim/first"}], {"maxLoras": 1, "maxLoraRank": 16})
+    assert spec.lora is not None
+    launcher = [sys.executable, str(inpod.directory / "launch.py")]
+    log = (tmp_path / "pod.log").open("w")
+    pod = subprocess.Popen(
+        [*launcher, "random:tiny", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+         "--num-gpu-blocks-override", "128", "--max-model-len", "512", "--device", "cpu", *lora_args(spec.lora)],
+        env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+
+    def ready() -> bool:
+        assert pod.poll() is None, (tmp_path / "pod.log").read_text()[-3000:]
+        return subprocess.run([*launcher, "--probe"], env=env, capture_output=True, timeout=30).returncode == 0
+
+    def models() -> list[str]:
+        return [m.id for m in client.models.list().data]
+
+    try:
+        wait_for("the leader ready with its adapters", ready, timeout=180)
+        assert models() == ["tiny", "first"]  # "big" (rank 32 > --max-lora-rank 16) is refused alone
+        completion = client.completions.create(model="first", prompt=[1, 2, 3], max_tokens=4, temperature=0)
+        assert completion.model == "first" and completion.usage.completion_tokens == 4
+        _write_list(listed, [{"name": "second", "source": "pvc://claim/second", "path": second}])
+        wait_for("the engine to follow the new list", lambda: models() == ["tiny", "second"], timeout=30)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="first", prompt=[1, 2, 3], max_tokens=4)
+        pod.send_signal(signal.SIGTERM)
+        pod.wait(timeout=60)
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+            pod.wait(timeout=30)
+        log.close()
+    text = (tmp_path / "pod.log").read_text()
+    assert "load big: HTTP 400" in text and "max_lora_rank" in text, text[-3000:]
