@@ -161,6 +161,10 @@ def test_an_adapter_on_a_new_claim_rolls_the_groups():
     assert pods.revision(changed, "prod", CONFIG) != pods.revision(_spec(BEFORE), "prod", CONFIG)
 
 
+def test_removing_a_claims_last_adapter_rolls_the_groups():
+    assert pods.revision(_spec(BEFORE[:1]), "prod", CONFIG) != pods.revision(_spec(BEFORE), "prod", CONFIG)
+
+
 # --- the operator's own checks, naming the field -----------------------------------------------------------
 
 
