@@ -37,12 +37,12 @@ from lockstep_operator.names import (
     common_labels,
     configmap_name,
     digest,
-    volume_name,
     group_name,
     group_secret_name,
     group_selector,
     object_metadata,
     stamp,
+    volume_name,
 )
 from lockstep_operator.spec import ServiceSpec
 
