@@ -139,6 +139,8 @@ def warm_up(core: EngineCore, log: Callable[[str], None]) -> EngineCore:
             log(f"warm-up: {name}: {count} requests in {time.monotonic() - phase_started:.1f}s")
     except Exception as error:
         raise WarmupError(f"warm-up failed: {error}") from error
+    if getattr(runner, "lora", None) is not None and runner.graphs is not None:
+        log(f"warm-up: captured {runner.graphs.capture_lora_twins()} decode graphs for windows with LoRA adapters")
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     runner.clock.harvest()  # warm-up steps' timings: not the serving core's

@@ -8,6 +8,7 @@ import pytest
 
 from lockstep_engine.config import ConfigError, EngineConfig
 from lockstep_engine.llm import LLM
+from lockstep_engine.runner.cuda_graphs import DecodeGraphs
 from lockstep_engine.sampling_params import SamplingParams
 
 pytest.importorskip("peft")
@@ -49,6 +50,21 @@ def test_the_base_model_and_two_adapters_mixed_in_one_batch_give_peft_greedy_tex
                                           kv_cache_memory_bytes=256 << 20, enable_lora=True, max_loras=2,
                                           lora_modules=tuple(peft_reference.dirs.items()))
     _mixed(llm, peft_reference)
+
+
+def test_decode_graph_replays_with_adapters_give_the_same_text(lora_llm, peft_reference):
+    """The graphs' static buffers (run eagerly on the CPU: `DecodeGraphs(capture=False)`): windows with
+    adapter rows replay their own graphs, fed each row's slot, and give peft's tokens."""
+    llm = LLM("smollm2", share_model_with=lora_llm, num_scheduler_steps=8, kv_cache_memory_bytes=256 << 20,
+              enable_lora=True, max_loras=2, lora_modules=tuple(peft_reference.dirs.items()))
+    runner = llm.engine.executor.runner
+    runner.graphs = DecodeGraphs(runner.steps, capture=False)
+    try:
+        _mixed(llm, peft_reference)
+        assert {key[3] for key in runner.graphs.graphs} == {True}  # every decode window had adapter rows
+        assert runner.graphs.capture_lora_twins() == 0
+    finally:
+        runner.graphs = None
 
 
 def test_with_one_slot_the_adapters_take_turns_and_the_text_is_the_same(lora_llm, peft_reference):

@@ -136,6 +136,16 @@ class DecodeGraphs:
             self._graph(bucket, greedy)
             print(f"[lockstep] captured decode graph for batch {bucket}", file=sys.stderr, flush=True)
 
+    def capture_lora_twins(self) -> int:
+        """Captures, for every graph without adapters, its twin for windows with adapters among their rows
+        (with LoRA on, so the first adapter window replays instead of capturing); returns how many."""
+        keys = [key for key in self.graphs if not key[3]]
+        for bucket, greedy, filtered, _ in keys:
+            if (bucket, greedy, filtered, True) not in self.graphs:
+                self.graphs[(bucket, greedy, filtered, True)] = _Graph(self.steps, bucket, greedy, filtered, self.pool,
+                                                                       self.capture, lora=True)
+        return len(keys)
+
     def begin(self, state) -> _Graph:
         graph = self._graph(state.tokens.shape[0], state.sampling, state.lora_slots is not None)
         graph.load(state)
