@@ -10,6 +10,10 @@ definitions so numbers compare across tools:
 * Output tokens: `usage.completion_tokens` when the server sends it, else counted from chunks.
 JSON keys are vLLM's (`request_throughput`, `mean_ttft_ms`, `p99_itl_ms`, ...).
 
+`--lora-modules A B ...` (vLLM's option) sends request i with `model` = the (i mod k)-th name, so
+the requests spread evenly and the same way every run (vLLM's benchmark picks one at random per
+request); the result says how many requests each adapter got and how many completed.
+
 Standard library plus httpx only: no torch, no numpy, no web framework. The client costs about
 80 us of CPU per streamed chunk (httpx/h11, measured on the 2-core dev machine), so one process
 tops out near 10k chunks/s; past that its own queueing inflates TTFT and ITL. `--num-client-processes K`
@@ -78,6 +82,7 @@ class ServeBenchConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     metric_percentiles: tuple[float, ...] = (99.0,)
     num_client_processes: int = 1
+    lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -96,6 +101,7 @@ class ServeBenchConfig:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         validate_endpoint(self.endpoint)
         validate_num_client_processes(self.num_client_processes, self.max_concurrency)
+        validate_lora_modules(self.lora_modules)
         for p in self.metric_percentiles:
             if not 0 < p < 100:
                 raise ValueError(f"--metric-percentiles must lie in (0, 100), got {p}")
@@ -118,6 +124,34 @@ def validate_num_client_processes(num_client_processes: int, max_concurrency: in
         )
 
 
+def validate_lora_modules(names: Sequence[str]) -> None:
+    for name in names:
+        if not name or name != name.strip():
+            raise ValueError(f"--lora-modules: an adapter name must be non-empty, unpadded; got {name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: each adapter once, got {list(names)}")
+
+
+def request_models(model: str, lora_modules: Sequence[str], num_requests: int) -> list[str]:
+    """The model each request names: request i the (i mod k)-th adapter, or `model` for all when none."""
+    if not lora_modules:
+        return [model] * num_requests
+    return [lora_modules[i % len(lora_modules)] for i in range(num_requests)]
+
+
+def lora_counts(lora_modules: Sequence[str], models: Sequence[str], results: Sequence[Any]) -> dict[str, Any]:
+    """The result's LoRA keys (none without adapters): the adapters named, and per adapter the requests
+    sent and completed."""
+    if not lora_modules:
+        return {}
+    sent = dict.fromkeys(lora_modules, 0)
+    completed = dict.fromkeys(lora_modules, 0)
+    for model, result in zip(models, results, strict=True):
+        sent[model] += 1
+        completed[model] += result.success
+    return {"lora_modules": list(lora_modules), "lora_requests": sent, "lora_completed": completed}
+
+
 async def run_benchmark(
     base_url: str,
     requests: Sequence[WorkloadRequest],
@@ -132,22 +166,26 @@ async def run_benchmark(
     metric_percentiles: Sequence[float] = (99.0,),
     progress: TextIO | None = None,
     num_client_processes: int = 1,
+    lora_modules: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Send `requests` at `request_rate` (Poisson; inf = all at once), at most `max_concurrency`
     in flight, and return vLLM-style metrics. A line of progress goes to `progress` each tenth.
     With `num_client_processes` > 1 the requests are spread over that many spawned processes.
+    With `lora_modules`, request i names adapter i mod k instead of the model.
     Raises BenchmarkError if the server is unreachable or a client process fails."""
     validate_endpoint(endpoint)
     validate_num_client_processes(num_client_processes, max_concurrency)
+    validate_lora_modules(lora_modules)
     headers = auth_headers(api_key)
     offsets = list(itertools.accumulate(poisson_arrivals(len(requests), request_rate, seed)))
     if num_client_processes == 1:
         async with make_client(timeout_s, max_concurrency) as client:
             model = await resolve_model(client, base_url, headers, model)
+            models = request_models(model, lora_modules, len(requests))
             tracker = Progress(len(requests), progress)
             started_at = time.perf_counter()
             results, _, max_in_flight = await send_on_schedule(
-                client, join_url(base_url, endpoint), headers, model, requests, offsets, started_at,
+                client, join_url(base_url, endpoint), headers, models, requests, offsets, started_at,
                 max_concurrency, tracker.update,
             )  # fmt: skip
             duration = time.perf_counter() - started_at
@@ -155,10 +193,11 @@ async def run_benchmark(
         # The parent checks the server once and names the model for all the processes.
         async with make_client(timeout_s, None) as client:
             model = await resolve_model(client, base_url, headers, model)
+        models = request_models(model, lora_modules, len(requests))
         # The processes are waited on with blocking calls; a thread keeps this event loop free.
         results, duration, max_in_flight = await asyncio.to_thread(
             run_client_processes,
-            ClientPlan(url=join_url(base_url, endpoint), headers=headers, model=model, timeout_s=timeout_s),
+            ClientPlan(url=join_url(base_url, endpoint), headers=headers, model=model, timeout_s=timeout_s, models=models),
             requests, offsets, num_client_processes, max_concurrency, progress,
         )  # fmt: skip
 
@@ -175,6 +214,7 @@ async def run_benchmark(
         "max_concurrency": max_concurrency,
         "max_concurrent_requests": max_in_flight,
         "num_client_processes": num_client_processes,
+        **lora_counts(lora_modules, models, results),
         **result,
     }
 
@@ -222,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
         "requests and arrival times, request i sent by process i %% K from a common start; --max-concurrency "
         "is split evenly, each process getting the ceiling or the floor of max/K",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="LoRA adapters (names the server serves) to spread the requests over: request i names adapter "
+        "i %% k as its model, so each gets an even share; the result counts requests per adapter",
+    )
     return parser
 
 
@@ -245,6 +293,7 @@ def parse_config(argv: Sequence[str]) -> ServeBenchConfig:
             timeout_s=args.timeout,
             metric_percentiles=percentiles,
             num_client_processes=args.num_client_processes,
+            lora_modules=tuple(args.lora_modules or ()),
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -271,7 +320,8 @@ def main(argv: list[str]) -> int:
         f"bench serve: {config.workload}, {stats['num_requests']} requests, mean prompt "
         f"{stats['mean_prompt_len']:.1f} / output {stats['mean_output_len']:.1f} tokens, "
         f"request rate {config.request_rate}, max concurrency {config.max_concurrency}"
-        + (f", {config.num_client_processes} client processes" if config.num_client_processes > 1 else ""),
+        + (f", {config.num_client_processes} client processes" if config.num_client_processes > 1 else "")
+        + (f", LoRA adapters {' '.join(config.lora_modules)}" if config.lora_modules else ""),
         file=sys.stderr,
     )
     _raise_open_file_limit()
@@ -290,6 +340,7 @@ def main(argv: list[str]) -> int:
                 metric_percentiles=config.metric_percentiles,
                 progress=sys.stderr,
                 num_client_processes=config.num_client_processes,
+                lora_modules=config.lora_modules,
             )
         )
     except BenchmarkError as exc:
@@ -297,6 +348,10 @@ def main(argv: list[str]) -> int:
         return 1
     result.update({"workload": config.workload, "seed": config.seed, "workload_stats": stats})
     print(format_table(result, config.metric_percentiles))
+    if config.lora_modules:
+        print("LoRA adapters (requests completed/sent): " + ", ".join(
+            f"{name} {result['lora_completed'][name]}/{sent}" for name, sent in result["lora_requests"].items()
+        ))  # fmt: skip
     if result["failed"]:
         print(f"{result['failed']} requests failed:\n{format_errors(result['errors'])}", file=sys.stderr)
     if config.result_json:

@@ -216,20 +216,20 @@ async def send_on_schedule(
     client: httpx.AsyncClient,
     url: str,
     headers: dict[str, str],
-    model: str,
+    models: Sequence[str],
     requests: Sequence[WorkloadRequest],
     offsets: Sequence[float],
     started_at: float,
     max_concurrency: int | None,
     on_done: Callable[[RequestResult], None],
 ) -> tuple[list[RequestResult], list[float], int]:
-    """Send each request at `started_at` (perf_counter clock) + its offset, at most `max_concurrency`
-    in flight. Returns the results in request order, each one's perf_counter finish time, and the
+    """Send each request at `started_at` (perf_counter clock) + its offset, naming the model of the
+    same index in `models`, at most `max_concurrency` in flight. Returns the results in request order, each one's perf_counter finish time, and the
     most requests that were in flight at once."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     in_flight = max_in_flight = 0
 
-    async def limited(request: WorkloadRequest) -> tuple[RequestResult, float]:
+    async def limited(request: WorkloadRequest, model: str) -> tuple[RequestResult, float]:
         nonlocal in_flight, max_in_flight
         async with semaphore:
             in_flight += 1
@@ -243,10 +243,10 @@ async def send_on_schedule(
         return result, finished_at
 
     tasks = []
-    for request, offset in zip(requests, offsets, strict=True):
+    for request, offset, model in zip(requests, offsets, models, strict=True):
         delay = started_at + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(limited(request)))
+        tasks.append(asyncio.create_task(limited(request, model)))
     done = await asyncio.gather(*tasks)
     return [result for result, _ in done], [finished_at for _, finished_at in done], max_in_flight

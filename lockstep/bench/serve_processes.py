@@ -46,6 +46,8 @@ class ClientPlan:
     timeout_s: float
     process_index: int = 0
     max_concurrency: int | None = None
+    # the model each request names (`--lora-modules` spreads them over adapters); empty: `model` for all
+    models: list[str] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
     requests: list[WorkloadRequest] = field(default_factory=list)
     offsets: list[float] = field(default_factory=list)
@@ -112,11 +114,12 @@ async def _client_process_run(conn: Connection, plan: ClientPlan, start_at: floa
             await asyncio.sleep(PROCESS_HEARTBEAT_S)
             conn.send(("alive",))
 
+    models = plan.models or [plan.model] * len(plan.requests)
     async with make_client(plan.timeout_s, plan.max_concurrency) as client:
         beating = asyncio.create_task(heartbeat())
         try:
             results, finished, _ = await send_on_schedule(
-                client, plan.url, plan.headers, plan.model, plan.requests, plan.offsets,
+                client, plan.url, plan.headers, models, plan.requests, plan.offsets,
                 start_at - wall_minus_perf, plan.max_concurrency, lambda r: conn.send(("done", r.success)),
             )  # fmt: skip
         finally:
@@ -230,13 +233,14 @@ def run_client_processes(
 ) -> tuple[list[RequestResult], float, int]:
     """Send request i from process i % num_processes at its offset from a common start instant.
     Returns the results in request order, the duration (last finish - start) and the most in flight."""
+    models = template.models or [template.model] * len(requests)
     plans = []
     for j, share in enumerate(concurrency_shares(max_concurrency, num_processes)):
         indices = list(range(j, len(requests), num_processes))
         plans.append(
             ClientPlan(
                 url=template.url, headers=template.headers, model=template.model, timeout_s=template.timeout_s,
-                process_index=j, max_concurrency=share, indices=indices,
+                process_index=j, max_concurrency=share, models=[models[i] for i in indices], indices=indices,
                 requests=[requests[i] for i in indices], offsets=[offsets[i] for i in indices],
             )
         )  # fmt: skip
