@@ -300,3 +300,21 @@ def test_groups_and_requests_speculation_cannot_run_are_refused():
 def test_a_draft_of_another_vocabulary_is_refused_with_both_sizes(make_llm):
     with pytest.raises(ValueError, match="vocabulary of 1024 tokens, the target model 'smollm2' one of 49152"):
         make_llm(speculative_config={"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 2})
+
+
+def test_the_draft_models_cache_shares_the_kv_memory_budget():
+    """A draft model loads before the KV cache is sized, and its cache's bytes per block count: a draft of
+    the target's shape halves the blocks a fixed budget buys."""
+    budget = 8 << 20
+    plain = LLM("random:tiny", device="cpu", kv_cache_memory_bytes=budget)
+    drafted = LLM("random:tiny", device="cpu", kv_cache_memory_bytes=budget,
+                  speculative_config={"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 2})
+    target, with_draft = plain.engine.executor.runner, drafted.engine.executor.runner
+    per_block = target._kv_bytes_per_block()
+    assert with_draft._kv_bytes_per_block() == 2 * per_block
+    assert target.num_blocks == budget // per_block and with_draft.num_blocks == budget // (2 * per_block)
+    [draft] = with_draft._drafts.values()
+    assert draft.attention_layers()[0].k_cache.shape[0] == with_draft.num_blocks + 1
+    out = drafted.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == \
+        plain.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids

@@ -96,6 +96,12 @@ class ModelRunner:
         # LoRA weight slots before the KV cache is sized, so the cache gets what they leave
         self.lora = self.model.lora = self._make_lora() if config.enable_lora else None
         self._adapters: OrderedDict[tuple[str, str], object] = OrderedDict()  # read adapters (`read_lora`)
+        # Draft models by (source, seed), loaded once (`draft_model`); the configured one now, so the KV cache
+        # is sized with its weights in memory and its cache's share of every block counted.
+        self._drafts: dict[tuple, DraftModel] = {}
+        spec = config.speculative_config
+        if spec is not None and not spec.is_ngram:
+            self._drafts[(spec.model, spec.seed)] = DraftModel(spec, config, mc.vocab_size, self.device, self.dtype)
         self.block_size = config.block_size
         self.num_blocks = self._count_kv_blocks()
         if state.tp_size * state.pp_size > 1:
@@ -105,6 +111,8 @@ class ModelRunner:
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=state.world_group)
             self.num_blocks = int(count.item())
         self._allocate_kv_cache()
+        for draft in self._drafts.values():
+            draft.allocate_cache(self.num_blocks)
         self.steps = Steps(self.model, state, self.device, self.dtype, mc.hidden_size, mc.vocab_size,
                            mc.eos_token_ids, self.block_size, self.num_blocks, config.max_model_len)
         self.clock = StepClock(self.device)
@@ -113,7 +121,6 @@ class ModelRunner:
         self._backends = {self.backend.name: self.backend}
         self._graphs_by_backend: dict[str, DecodeGraphs] = {}
         self.graphs = self._decode_graphs()
-        self._drafts: dict[tuple, DraftModel] = {}  # draft models by (source, seed), loaded once (`draft_model`)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The decode graphs of the current attention backend (None where steps run eagerly)."""
@@ -188,10 +195,12 @@ class ModelRunner:
         for slot, name, path in loads:
             self.lora.load(slot, self.read_lora(name, path))
 
-    def _kv_bytes_per_block(self) -> int:
+    def _kv_bytes_per_block(self, drafts: bool = True) -> int:
+        """Bytes of one KV block in every layer (and, with `drafts`, in the draft models' caches too)."""
         attn = self.model.attention_layers()[0]
         per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.finfo(self.dtype).bits // 8
-        return per_token * self.block_size * len(self.model.attention_layers())
+        draft_bytes = sum(draft.kv_bytes_per_block() for draft in self._drafts.values()) if drafts else 0
+        return per_token * self.block_size * len(self.model.attention_layers()) + draft_bytes
 
     def _count_kv_blocks(self) -> int:
         if self.config.num_gpu_blocks_override:
@@ -234,7 +243,7 @@ class ModelRunner:
             attn.v_cache = torch.zeros_like(attn.k_cache)
         self.sink_slot = self.num_blocks * self.block_size
         log(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
-            f"({self.num_blocks * self._kv_bytes_per_block() / 2**30:.2f} GiB)")
+            f"({self.num_blocks * self._kv_bytes_per_block(drafts=False) / 2**30:.2f} GiB)")
 
     def draft_model(self, spec) -> DraftModel | None:
         """The draft model of a `SpeculativeConfig` (None for n-gram drafting), loaded on first use with a

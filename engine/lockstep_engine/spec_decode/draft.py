@@ -24,7 +24,9 @@ from lockstep_engine.spec_decode.rejection import DRAFT_STREAM, draft_probs, sam
 
 class DraftModel:
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target_vocab_size: int, device: torch.device,
-                 dtype: torch.dtype, num_blocks: int):
+                 dtype: torch.dtype, num_blocks: int | None = None):
+        """Loads the draft's weights; its KV cache comes with `num_blocks`, or later from `allocate_cache` (the
+        target's runner sizes its own cache knowing what the draft's takes per block)."""
         seed = config.seed if spec.seed is None else spec.seed
         source = resolve(spec.model, seed=seed, download_dir=config.download_dir, revision=config.revision)
         mc = source.config
@@ -42,12 +44,23 @@ class DraftModel:
             finally:
                 torch.set_default_dtype(previous)
         self.model.load_weights(source.iter_weights(device))
+        self.block_size, self.dtype, self.device = config.block_size, dtype, device
+        log(f"draft model {spec.model!r} loaded ({mc.num_parameters / 1e6:.0f}M parameters)")
+        if num_blocks is not None:
+            self.allocate_cache(num_blocks)
+
+    def kv_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        return sum(2 * a.num_kv_heads * a.head_dim for a in layers) * self.block_size * \
+            torch.finfo(self.dtype).bits // 8
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        """Its own KV cache over the target's block ids (and sink)."""
         for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(num_blocks + 1, config.block_size, attn.num_kv_heads, attn.head_dim,
-                                       dtype=dtype, device=device)
+            attn.k_cache = torch.zeros(num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim,
+                                       dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros_like(attn.k_cache)
-        log(f"draft model {spec.model!r} loaded ({mc.num_parameters / 1e6:.0f}M parameters) with its own KV cache "
-            f"of {num_blocks} blocks")
+        log(f"draft model KV cache: {num_blocks} blocks ({num_blocks * self.kv_bytes_per_block() / 2**30:.2f} GiB)")
 
     def attention_layers(self):
         return self.model.attention_layers()
