@@ -236,3 +236,24 @@ def test_bench_serve_spreads_requests_over_the_served_adapters(lora_server, tmp_
     result = json.loads(path.read_text())
     assert result["failed"] == 0, result["errors"]
     assert result["lora_requests"] == dict.fromkeys(names, 2) and result["lora_completed"] == dict.fromkeys(names, 2)
+
+
+def test_h200_lora_script_runs_its_three_runs_on_the_cpu(tmp_path):
+    """benchmarks/h200_lora.sh's CPU dry run: both servers started, warmed, measured and stopped, the table."""
+    env = {**ENV, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "OUT": str(tmp_path / "out"),
+           "LOGS": str(tmp_path / "logs"), "MODEL": "random:tiny", "SERVER_ARGS": "--device cpu --max-model-len 2048",
+           "PROMPTS": "8", "WARM": "4", "CLIENTS": "2", "VOCAB": "1024", "STEP": "4", "PORT": str(free_port()),
+           "START_S": "180", "BENCH_S": "120", "STOP_S": "30"}  # fmt: skip
+    done = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "h200_lora.sh")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "out")) == ["base.json", "logs.tgz", "lora.json", "lora_base.json"]
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.split()}
+    for run in ("base", "lora_base", "lora"):
+        assert lines[run].split()[1] == "8/8", done.stdout
+    assert "within 15%" in lines["lora"] or "OVER 15%" in lines["lora"]
+    assert "per adapter (completed/sent): lora0 2/2, lora1 2/2, lora2 2/2, lora3 2/2" in done.stdout
+    assert done.stdout.count("== server stopped") == 2
+    lora = json.loads((tmp_path / "out" / "lora.json").read_text())
+    assert lora["lora_requests"] == {"lora0": 2, "lora1": 2, "lora2": 2, "lora3": 2}
+    assert "lora_modules" not in json.loads((tmp_path / "out" / "lora_base.json").read_text())
