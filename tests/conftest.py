@@ -2,3 +2,15 @@ import os
 
 # Two cores: one intra-op thread per engine keeps OpenMP from spin-waiting against other processes.
 os.environ.setdefault("LOCKSTEP_CPU_THREADS", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def peft_reference(tmp_path_factory):
+    """Two PEFT LoRA adapters for SmolLM2 on disk and transformers + peft's greedy reference
+    (tests/lora_peft.py), made once for every LoRA test of the session."""
+    pytest.importorskip("peft")
+    from lora_peft import PeftReference
+
+    return PeftReference(str(tmp_path_factory.mktemp("lora-adapters")))

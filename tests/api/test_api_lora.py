@@ -15,7 +15,6 @@ import pytest
 from api_harness import Server
 
 pytest.importorskip("peft")
-from lora_peft import PeftReference  # noqa: E402  (after the skip: it imports peft)
 
 PROMPT = "Once upon a time, in a land far away,"
 NEW_TOKENS = 10
@@ -23,8 +22,8 @@ FIRST, SECOND = "every-layer", "attention-rs"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> PeftReference:
-    return PeftReference(str(tmp_path_factory.mktemp("adapters")))
+def reference(peft_reference):
+    return peft_reference
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,9 @@ from lockstep_engine.runner.cuda_graphs import DecodeGraphs
 from lockstep_engine.sampling_params import SamplingParams
 
 pytest.importorskip("peft")
-from lora_peft import PeftReference  # noqa: E402  (after the skip: it imports peft)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def peft_reference(tmp_path_factory) -> PeftReference:
-    return PeftReference(str(tmp_path_factory.mktemp("adapters")))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +24,7 @@ def lora_llm(peft_reference) -> LLM:
                lora_modules=modules)
 
 
-def _mixed(llm: LLM, reference: PeftReference) -> None:
+def _mixed(llm: LLM, reference) -> None:
     names = [None, *reference.dirs]
     prompts = [p for p in PROMPTS for _ in names]
     loras = [name for _ in PROMPTS for name in names]

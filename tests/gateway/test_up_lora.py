@@ -9,16 +9,15 @@ import pytest
 from gateway_harness import free_port, start_up, wait_up
 
 pytest.importorskip("peft")
-from lora_peft import PeftReference  # noqa: E402  (after the skip: it imports peft)
 
 PROMPT = "Once upon a time, in a land far away,"
 NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, peft_reference):
     directory = tmp_path_factory.mktemp("up-lora")
-    reference = PeftReference(str(directory / "adapters"))
+    reference = peft_reference
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = directory / "up.log"

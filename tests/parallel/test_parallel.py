@@ -224,13 +224,10 @@ print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
 """
 
 
-def test_lora_adapters_on_tp3_and_pp2_groups_match_one_process(tmp_path):
+def test_lora_adapters_on_tp3_and_pp2_groups_match_one_process(peft_reference):
     """Two PEFT adapters and the base model in one batch, one adapter slot (so the plans load adapters into
     the slot on every rank as they take turns): a TP=3 group and a PP=2 group give one process's tokens."""
-    pytest.importorskip("peft")
-    from lora_peft import PeftReference
-
-    modules = sorted(PeftReference(str(tmp_path)).dirs.items())
+    modules = sorted(peft_reference.dirs.items())
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 198, 2683, 359, 253, 5356, 30]]
     env = dict(os.environ, LOCKSTEP_CPU_THREADS="1")
     results = {}
