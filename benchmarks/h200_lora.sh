@@ -19,6 +19,7 @@
 #                                                                              #   safetensors among them
 #   bash benchmarks/h200_lora.sh          # there (carry [".whl"]): all three runs, then the table
 #   bash benchmarks/h200_lora.sh base     # only the base server;  ... lora: only the LoRA server's two runs
+#   OUT=DIR bash benchmarks/h200_lora.sh table   # only the table, from DIR's base.json, lora_base.json, lora.json
 #   MODEL=random:tiny SERVER_ARGS="--device cpu --max-model-len 2048" PROMPTS=8 WARM=4 CLIENTS=2 VOCAB=1024 \
 #       STEP=4 bash benchmarks/h200_lora.sh   # a CPU dry run of the whole script
 #
@@ -53,7 +54,8 @@ fi
 
 mkdir -p "$OUT" "$LOGS"
 export PYTHONPATH=$PWD:$PWD/engine:$PWD/gateway:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-if ! python3 -c "import fastapi, uvicorn, safetensors" 2>/dev/null; then  # the H200 image lacks them
+install_wheels() {
+    python3 -c "import fastapi, uvicorn, safetensors" 2>/dev/null && return  # the H200 image lacks them
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PYTHONPATH
@@ -61,7 +63,7 @@ if ! python3 -c "import fastapi, uvicorn, safetensors" 2>/dev/null; then  # the 
         echo "== .whl lacks a wheel: run benchmarks/fetch_gpu_wheels.sh and '$0 fetch' here first" >&2
         exit 1
     }
-fi
+}
 
 server_pid=
 group_alive() {  # PGID: true while a process of that group runs (zombies aside)
@@ -96,6 +98,10 @@ trap finish EXIT
 start_server() {  # NAME FLAGS...: start it in a process group of its own, wait for /health (bounded)
     local name=$1
     shift
+    if curl -sf -o /dev/null --max-time 2 "$URL/health"; then
+        echo "== $name: something already answers on port $PORT; not starting"
+        return 1
+    fi
     # shellcheck disable=SC2086  # SERVER_ARGS is a list of flags
     setsid python3 -m lockstep.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" $SERVER_ARGS "$@" \
         >"$LOGS/$name.server.log" 2>&1 &
@@ -153,10 +159,11 @@ run_lora() {
 }
 
 case "${1:-all}" in
-all) run_base; run_lora ;;
-base) run_base ;;
-lora) run_lora ;;
-*) echo "usage: $0 [all|base|lora|fetch]" >&2; exit 2 ;;
+all) install_wheels; run_base; run_lora ;;
+base) install_wheels; run_base ;;
+lora) install_wheels; run_lora ;;
+table) trap - EXIT ;;  # only the table, from the JSON in $OUT
+*) echo "usage: $0 [all|base|lora|table|fetch]" >&2; exit 2 ;;
 esac
 
 python3 - "$OUT" "$MODEL" <<'EOF'
@@ -167,6 +174,7 @@ for name in ("base", "lora_base", "lora"):
     path = os.path.join(out, name + ".json")
     runs[name] = json.load(open(path)) if os.path.exists(path) else None
 base = runs["base"]
+model = next((r["model_id"] for r in runs.values() if r), model)
 print(f"LoRA cost on {model}: rate inf, rank-16 adapters on all seven targets; ratio = run / base (goal: within 15%)")
 print(f"{'run':<10} {'ok/total':>9} {'req/s':>8} {'out tok/s':>10} {'TTFT p50/p99 ms':>16} {'TPOT p50 ms':>11} "
       f"{'req/s ratio':>11} {'tok/s ratio':>11} {'TPOT ratio':>10}")
