@@ -4,6 +4,7 @@ import os
 os.environ.setdefault("LOCKSTEP_CPU_THREADS", "1")
 
 import pytest  # noqa: E402
+from directory_scope import pytest_runtest_teardown  # noqa: E402,F401  (the hook: see directory_scope.py)
 
 
 @pytest.fixture(scope="session")

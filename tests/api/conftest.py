@@ -7,12 +7,21 @@ each waits for `/health` with a deadline.
 import pytest
 
 from api_harness import API_KEY, MAX_BODY_BYTES, Server
+from directory_scope import at_directory_end
 
 
 @pytest.fixture(scope="session")
 def servers():
-    """Lazily started shared servers; all are stopped at the end of the session."""
+    """Lazily started shared servers; all are stopped when the run leaves tests/api (and started again
+    should a later test ask), else at the end of the session."""
     started: dict[str, Server] = {}
+
+    def stop_all() -> None:
+        for server in started.values():
+            server.stop()
+        started.clear()
+
+    at_directory_end(__file__, stop_all)
 
     def get(key: str) -> Server:
         if key not in started:
@@ -23,8 +32,7 @@ def servers():
         return started[key].wait_healthy()
 
     yield get
-    for server in started.values():
-        server.stop()
+    stop_all()
 
 
 _SPECS = {
