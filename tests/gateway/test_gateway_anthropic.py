@@ -86,9 +86,11 @@ def test_gateway_errors_on_messages_are_anthropic_shaped(stack, client):
 
 
 def test_a_vllm_route_through_the_gateway_is_a_404_naming_it(stack):
-    reply = _post(stack[0], "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/b"})
+    reply = _post(stack[0], "/sleep", {})
     assert reply.status_code == 404
-    assert "does not serve /v1/load_lora_adapter (a vLLM route): LoRA adapters" in reply.json()["error"]["message"]
+    assert "does not serve /sleep (a vLLM route): there is no sleep mode" in reply.json()["error"]["message"]
+    lora = _post(stack[0], "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/b"})
+    assert lora.status_code == 404 and "the gateway does not load LoRA adapters" in lora.json()["error"]["message"]
 
 
 def test_a_tokens_per_minute_limit_is_settled_by_anthropics_usage(stack, start_gateway):

@@ -76,7 +76,8 @@ def _attached_registry():
         _window(core, metrics, prompt_tokens=64 if i % 5 == 0 else 0, batch=32, boundary_gap=2e-4 if i else None)
     ready = p.CoreReady(pid=1, max_model_len=8192, num_blocks=4096, block_size=16, vocab_size=49152,
                         num_scheduler_steps=N, guided_decoding=False, device="cuda:0", model_config={})
-    client = SimpleNamespace(ready=ready, config=SimpleNamespace(enable_prefix_caching=True, gpu_memory_utilization=0.9),
+    client = SimpleNamespace(ready=ready, config=SimpleNamespace(enable_prefix_caching=True, gpu_memory_utilization=0.9,
+                                                                     enable_lora=False, max_loras=1),
                              stats=p.EngineStats(num_running=32, num_waiting=3, kv_cache_usage=0.4),
                              core_metrics=metrics.snapshot(core))
     engine = api_metrics.register_engine(client, "smollm2")
