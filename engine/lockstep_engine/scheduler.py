@@ -401,6 +401,8 @@ class Scheduler:
                     self.blocks.fork(parent, child)
                 request.sequences.append(child)
                 if position is not None:
+                    if self.adapters is not None:  # the parent's adapter slot, which it holds: always there
+                        child.lora_slot = self.adapters.acquire(request.adapter)
                     self.running.insert(position, child)
                     position += 1
                 else:

@@ -131,3 +131,19 @@ def test_the_plan_codec_carries_each_rows_slot_and_the_windows_loads_to_a_worker
     assert mirrored.lora_loads == plan.lora_loads == [(1, "a", "/adapters/a")]
     assert [(r.seq.request.request_id, r.seq.lora_slot) for r in mirrored.rows] == \
         [(r.seq.request.request_id, r.seq.lora_slot) for r in plan.rows] == [("ra", 1), ("base", 0)]
+
+
+def test_the_samples_of_an_n_request_forked_while_running_keep_its_adapters_slot():
+    scheduler, adapters = make_scheduler(max_loras=1)
+    a = adapters.register("a", "/adapters/a")
+    r = Request("r", list(range(1, 10)), SamplingParams(max_tokens=4, n=3), 256, 0)
+    r.adapter = a
+    scheduler.add_request(r)
+    plan = scheduler.schedule()
+    parent = r.sequences[0]
+    parent.num_computed = plan.rows[0].num_new_tokens
+    scheduler.fork_ready_requests([r])
+    assert [seq.lora_slot for seq in r.sequences] == [1, 1, 1]
+    for seq in r.sequences:
+        finish(scheduler, seq)
+    assert adapters.active() == []  # every sample gave the slot back

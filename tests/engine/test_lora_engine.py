@@ -82,6 +82,13 @@ def test_an_adapters_prefix_blocks_never_serve_the_base_model(lora_llm, peft_ref
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == peft_reference.greedy(ids, adapter, NEW_TOKENS)
 
 
+def test_every_sample_of_an_n_request_runs_with_its_adapter(lora_llm, peft_reference):
+    adapter = next(iter(peft_reference.dirs))
+    out = lora_llm.generate(PROMPTS[0], SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS), lora_request=adapter)[0]
+    expected = peft_reference.greedy(lora_llm.tokenizer.encode(PROMPTS[0]), adapter, NEW_TOKENS)
+    assert [c.token_ids for c in out.outputs] == [expected, expected]
+
+
 def test_lora_configuration_errors_name_the_field():
     with pytest.raises(ConfigError, match="max_lora_rank=12 is invalid: expected one of 1, 8, 16"):
         EngineConfig(model="random:tiny", enable_lora=True, max_lora_rank=12)
