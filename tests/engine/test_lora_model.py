@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from lockstep_engine.attention import TorchPagedAttention
 from lockstep_engine.lora.adapters import AdapterError, module_shapes, read_adapter
+from lockstep_engine.lora import model as lora_model
 from lockstep_engine.lora.model import ModelLoRA
 from lockstep_engine.model_config import ModelConfig
 from lockstep_engine.models.llama import LlamaForCausalLM
@@ -72,7 +73,13 @@ def smollm2_with_peft(tmp_path_factory):
     return model, config, dirs, expected
 
 
-def test_base_and_two_adapters_mixed_in_one_batch_match_peft(smollm2_with_peft):
+@pytest.mark.parametrize("path", ["plain", "triton"])
+def test_base_and_two_adapters_mixed_in_one_batch_match_peft(smollm2_with_peft, path, monkeypatch):
+    """Both LoRA paths: the plain per-slot one, and the grouped Triton kernels CUDA runs (here in
+    Triton's CPU interpreter)."""
+    if path == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+        monkeypatch.setattr(lora_model, "use_kernels", lambda x: True)
     model, config, dirs, expected = smollm2_with_peft
     before = prefill_logits(model, PROMPTS)
     lora = ModelLoRA(model, max_loras=2, max_rank=16, max_tokens=64, device="cpu", dtype=torch.float32)
@@ -141,7 +148,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 @cuda_only
 def test_cuda_kernels_match_the_cpu_path_and_capture_in_a_graph():
-    """The bgmv path on CUDA gives the CPU plain path's logits; slots copied from a device tensor (no
+    """The grouped Triton path on CUDA gives the CPU plain path's logits; slots copied from a device tensor (no
     host sync) inside a CUDA graph capture steer each replay."""
     from lockstep_engine.lora.ops import add_lora_plain
 

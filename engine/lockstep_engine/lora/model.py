@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from lockstep_engine.lora.adapters import LoRAAdapter
-from lockstep_engine.lora.ops import add_lora_bgmv, add_lora_plain, triton_available
+from lockstep_engine.lora.ops import add_lora_grouped, add_lora_plain, triton_available
 
 # HF target -> (the module inside a decoder layer, its shard id: the sub-projection of a packed layer)
 TARGETS = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
@@ -53,11 +53,11 @@ class LoRALinear:
         owner = self.owner
         if not (owner.always_on or owner.has_adapters):
             return
-        slots = owner.token_slots[:x.shape[0]]
-        if x.is_cuda and triton_available():
-            add_lora_bgmv(x, y, self.a, self.b, slots, self.slices)
+        if use_kernels(x):
+            add_lora_grouped(x, y, self.a, self.b, owner.groups(x.shape[0]), self.slices)
         else:
-            add_lora_plain(x, y, self.a, self.b, slots, owner.distinct_slots(), self.slices)
+            add_lora_plain(x, y, self.a, self.b, owner.token_slots[:x.shape[0]], owner.distinct_slots(),
+                           self.slices)
 
     def load(self, slot: int, shard_id, a: torch.Tensor, b: torch.Tensor) -> None:
         """One target's full A [r, in] and scaled B [out, r], padded to max_rank and sharded into `slot`."""
@@ -91,6 +91,7 @@ class ModelLoRA:
         self.has_adapters = False  # whether the slots of the current forward name any adapter
         self.active_slots: list[int] | None = []  # the distinct non-zero slots of the forward (None: not read yet)
         self.token_slots = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
+        self._groups = None  # kernels.Groups of the current forward's tokens, made by its first LoRA layer
         self.layers: dict[tuple[int, str], LoRALinear] = {}  # (layer index, module path) -> slots
         self.adapters: dict[int, str] = {}  # slot -> name of the adapter loaded there
         for index in model.layer_range:
@@ -107,6 +108,7 @@ class ModelLoRA:
         """The next forward's slot per token ([tokens] int64; None: every token uses the base model).
         A host tensor tells which adapters the batch uses without a device sync; a device tensor is only
         copied (graph-safe), and the forward then runs the LoRA path for every token (slot 0 adds zeros)."""
+        self._groups = None
         if slots is None:
             self.token_slots.zero_()
             self.has_adapters, self.active_slots = False, []
@@ -121,6 +123,15 @@ class ModelLoRA:
             self.has_adapters = bool(self.active_slots)
         else:
             self.active_slots, self.has_adapters = None, True
+
+    def groups(self, tokens: int):
+        """The current forward's first `tokens` tokens grouped by slot on the device (`kernels.group`), made
+        once and shared by every layer; inside a CUDA graph capture the grouping is captured with them."""
+        if self._groups is None or self._groups.tokens != tokens:
+            from lockstep_engine.lora import kernels
+
+            self._groups = kernels.group(self.token_slots[:tokens], self.max_loras + 1)
+        return self._groups
 
     def distinct_slots(self) -> list[int]:
         """The distinct non-zero slots of the current forward (read from the device once if need be)."""
@@ -151,6 +162,11 @@ class ModelLoRA:
     def _check_slot(self, slot: int) -> None:
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"LoRA slot {slot} is out of range (expected 1..{self.max_loras})")
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """The grouped Triton kernels on CUDA; the plain per-slot path elsewhere (tests switch it)."""
+    return x.is_cuda and triton_available()
 
 
 def _is_row(path: str) -> bool:

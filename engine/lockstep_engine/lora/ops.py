@@ -8,8 +8,9 @@ Stacked weights (one row per slot, slot 0 all zeros for the base model):
 Two paths, the same sum:
 * `add_lora_plain` (the CPU, eager CUDA without Triton): for each adapter slot present, the rows of
   its tokens, two matmuls, an index_add. The caller gives the distinct non-zero slots (host ints).
-* `add_lora_bgmv` (CUDA): Triton shrink and expand kernels (`bgmv.py`), one program per token and
-  output tile gathering that token's slot weights; no host sync, so it can be captured in a CUDA graph.
+* `add_lora_grouped` (CUDA): Triton kernels (`kernels.py`) over the tokens grouped by slot on the
+  device, one matmul tile per BLOCK_M tokens of an adapter; no host sync, so it can be captured in a
+  CUDA graph.
 """
 
 from __future__ import annotations
@@ -32,21 +33,19 @@ def add_lora_plain(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.T
         y.index_add_(0, rows, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
 
 
-def add_lora_bgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                  slices: tuple[tuple[int, int], ...]) -> None:
-    """The same sum as `add_lora_plain` over every token (slot 0 adds zeros), in Triton kernels."""
-    from lockstep_engine.lora import bgmv
+def add_lora_grouped(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups,
+                     slices: tuple[tuple[int, int], ...]) -> None:
+    """The same sum as `add_lora_plain` in Triton kernels; `groups`: `kernels.group` of the tokens' slots
+    (computed once per forward and shared by every layer)."""
+    from lockstep_engine.lora import kernels
 
-    shrink = bgmv.shrink(x, a, slots)  # [tokens, num_slices * rank] float32
-    rank = b.shape[-1]
-    for i, (offset, size) in enumerate(slices):
-        bgmv.expand(shrink[:, i * rank:(i + 1) * rank], b[:, offset:offset + size], slots, y[:, offset:offset + size])
+    kernels.expand(kernels.shrink(x, a, groups), b, groups, y, slices)
 
 
 @functools.cache
 def triton_available() -> bool:
     try:
-        from lockstep_engine.lora import bgmv  # noqa: F401
+        from lockstep_engine.lora import kernels  # noqa: F401
     except ImportError:
         return False
     return True
