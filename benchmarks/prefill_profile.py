@@ -124,7 +124,7 @@ def main() -> int:
     longest = max(c + n for rows in steps.values() for c, n in rows)
     blocks = max(sum(-(-(c + n) // 16) for c, n in rows) for rows in steps.values()) + 1
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    llm = LLM(args.model, device=args.device, dtype=dtype, max_model_len=longest + 16, num_gpu_blocks_override=blocks,
+    llm = LLM(args.model, device=args.device, dtype=dtype, max_model_len=longest, num_gpu_blocks_override=blocks,
               max_num_batched_tokens=max(sum(n for _, n in rows) for rows in steps.values()),
               attention_backend=args.attention_backend, enforce_eager=True)
     runner = llm.engine.executor.runner

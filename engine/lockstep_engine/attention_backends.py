@@ -18,11 +18,11 @@ import torch
 
 from lockstep_engine.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from lockstep_engine.config import ATTENTION_BACKENDS
-# auto's choice per phase on compute capability 9.x. Triton for both until benchmarks/attention_backends.py
-# has compared the two on the H200 (not run yet): the one earlier trial there, flash-attn-4 4.0.0b36 paged
-# decode at Llama-3-8B's shape without its split or GQA-packing options, ran at 1.55-1.72x of its byte bound
-# against Triton's 1.26-1.34x; prefill is unmeasured.
-AUTO_BY_PHASE = {"decode": "triton", "prefill": "triton"}
+# auto's choice per phase on compute capability 9.x, from benchmarks/attention_backends.py on an H200
+# (2026-12-03, docs/BENCHMARKS.md): Triton decodes faster at every batch (Llama-3-8B 1.24-1.39x of its byte
+# bound against flash-attn-4's 1.53-1.76x); flash-attn-4 prefills 1.8x faster at 2048 and 8192 tokens (and
+# level on a mixed step).
+AUTO_BY_PHASE = {"decode": "triton", "prefill": "flash-attn"}
 AUTO_CAPABILITY = 9
 
 

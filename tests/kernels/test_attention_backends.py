@@ -168,7 +168,7 @@ def test_flash_attn_decode_replays_in_a_cuda_graph_at_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         ref_meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=batch.table,
-                                     seq_lens=torch.tensor(lens), query_start_loc=None)
+                                     seq_lens=torch.tensor(lens), query_start_loc=None, max_seq_len=max(lens))
         assert_close(out, TorchPagedAttention(heads, kv_heads, head_dim, bs)(*ref_inputs, ref_meta), dtype)
 
 
