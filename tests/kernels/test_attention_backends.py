@@ -138,7 +138,7 @@ def test_flash_attn_prefill_and_mixed_gpu(heads, kv_heads, head_dim):
 
 @needs_flash_attn
 def test_flash_attn_decode_replays_in_a_cuda_graph_at_new_lengths():
-    from test_triton_attention import Batch, assert_close
+    from test_triton_attention import Batch, replay_at_new_lengths
 
     heads, kv_heads, head_dim, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     rng = random.Random(8)
@@ -156,20 +156,7 @@ def test_flash_attn_decode_replays_in_a_cuda_graph_at_new_lengths():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend(q, k, v, kc, vc, captured_meta)
-    gen = torch.Generator().manual_seed(9)
-    for _ in range(3):
-        lens = [rng.randint(1, c + 1) for c, _ in rows]
-        slots = [int(batch.table[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
-        for x in (q, k, v):
-            x.copy_(torch.randn(x.shape, generator=gen).to(dtype))
-        meta.seq_lens.copy_(torch.tensor(lens))
-        meta.slot_mapping.copy_(torch.tensor(slots))
-        ref_inputs = [x.float().cpu() for x in (q, k, v, kc, vc)]
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=batch.table,
-                                     seq_lens=torch.tensor(lens), query_start_loc=None, max_seq_len=max(lens))
-        assert_close(out, TorchPagedAttention(heads, kv_heads, head_dim, bs)(*ref_inputs, ref_meta), dtype)
+    replay_at_new_lengths(batch, (q, k, v, kc, vc), meta, graph, out, heads, rng)
 
 
 @needs_flash_attn

@@ -223,6 +223,27 @@ def test_prefill_gpu(heads, kv_heads, head_dim, dtype, block_size):
     assert_cache_written(caches, ref_caches, batch)
 
 
+def replay_at_new_lengths(batch, tensors, meta, graph, out, heads, rng, rounds=3):
+    """Writes new q, k, v, lengths and slots into a captured decode step's tensors `rounds` times; each
+    replay's `out` must equal the torch reference over the cache as it was before the step's write."""
+    q, k, v, kc, vc = tensors
+    kv_heads, head_dim, bs = kc.shape[2], kc.shape[3], batch.block_size
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(rounds):
+        lens = [rng.randint(1, c + 1) for c, _ in batch.rows]
+        slots = [int(batch.table[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
+        meta.seq_lens.copy_(torch.tensor(lens))
+        meta.slot_mapping.copy_(torch.tensor(slots))
+        ref_inputs = [x.float().cpu() for x in tensors]  # cache before this step's write
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=batch.table,
+                                     seq_lens=torch.tensor(lens), query_start_loc=None, max_seq_len=max(lens))
+        assert_close(out, TorchPagedAttention(heads, kv_heads, head_dim, bs)(*ref_inputs, ref_meta), q.dtype)
+
+
 @gpu_only
 @pytest.mark.parametrize("splits", [None, 1, 4])
 def test_decode_cuda_graph_replays_at_new_lengths(splits):
@@ -240,18 +261,4 @@ def test_decode_cuda_graph_replays_at_new_lengths(splits):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend(q, k, v, kc, vc, meta)
-    gen = torch.Generator().manual_seed(9)
-    for step in range(3):
-        lens = [rng.randint(1, c + 1) for c, _ in rows]
-        slots = [int(batch.table[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
-        for x in (q, k, v):
-            x.copy_(torch.randn(x.shape, generator=gen).to(dtype))
-        meta.seq_lens.copy_(torch.tensor(lens))
-        meta.slot_mapping.copy_(torch.tensor(slots))
-        ref_inputs = [x.float().cpu() for x in (q, k, v, kc, vc)]  # cache before this step's write
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=batch.table,
-                                     seq_lens=torch.tensor(lens), query_start_loc=None, max_seq_len=cap)
-        expected = TorchPagedAttention(heads, kv_heads, head_dim, bs)(*ref_inputs, ref_meta)
-        assert_close(out, expected, dtype)
+    replay_at_new_lengths(batch, (q, k, v, kc, vc), meta, graph, out, heads, rng)
