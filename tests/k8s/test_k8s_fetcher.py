@@ -5,18 +5,15 @@ another host:port, as the hub does) and a plain file server."""
 
 from __future__ import annotations
 
-import http.server
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from loopback_http import RecordingServer, tarball
 
 from lockstep_operator.inpod import FETCHER
 
@@ -31,40 +28,9 @@ FILES = {
 TOKEN = "hf_test_token"
 
 
-class Server:
-    """A loopback HTTP server recording every request (path, Authorization header)."""
-
-    def __init__(self, handle) -> None:  # type: ignore[no-untyped-def]
-        self.requests: list[tuple[str, str | None]] = []
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                outer.requests.append((self.path, self.headers.get("Authorization")))
-                status, headers, body = handle(self.path, self.headers)
-                self.send_response(status)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
-def hub() -> Iterator[tuple[Server, Server]]:
-    storage = Server(lambda path, headers: (200, {}, FILES[path.split("/", 2)[2]]))
+def hub() -> Iterator[tuple[RecordingServer, RecordingServer]]:
+    storage = RecordingServer(lambda path, headers: (200, {}, FILES[path.split("/", 2)[2]]))
 
     def handle(path: str, headers) -> tuple[int, dict, bytes]:  # type: ignore[no-untyped-def]
         if headers.get("Authorization") != f"Bearer {TOKEN}":
@@ -77,7 +43,7 @@ def hub() -> Iterator[tuple[Server, Server]]:
             return 302, {"Location": f"{storage.url}/blob/{path[len(prefix):]}"}, b""
         return 404, {}, b"no such file"
 
-    server = Server(handle)
+    server = RecordingServer(handle)
     yield server, storage
     server.close()
     storage.close()
@@ -125,18 +91,8 @@ def test_a_gated_model_without_a_token_fails_with_the_status(tmp_path, hub):
     assert list((tmp_path / "models").iterdir()) == []  # neither the model nor a partial copy
 
 
-def _tarball(members: dict[str, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
 def test_a_url_archive_is_unpacked_after_a_server_error_is_retried(tmp_path):
-    archive = _tarball({"config.json": b"{}", "model.safetensors": b"weights"})
+    archive = tarball({"config.json": b"{}", "model.safetensors": b"weights"})
     failures = [503]
 
     def handle(path: str, headers) -> tuple[int, dict, bytes]:  # type: ignore[no-untyped-def]
@@ -144,7 +100,7 @@ def test_a_url_archive_is_unpacked_after_a_server_error_is_retried(tmp_path):
             return failures.pop(), {}, b"busy"
         return (200, {}, archive) if path == "/models/tiny.tar.gz" else (404, {}, b"")
 
-    server = Server(handle)
+    server = RecordingServer(handle)
     try:
         result = fetch(tmp_path, f"{server.url}/models/tiny.tar.gz")
     finally:
@@ -156,8 +112,8 @@ def test_a_url_archive_is_unpacked_after_a_server_error_is_retried(tmp_path):
 
 
 def test_an_archive_that_writes_outside_the_model_directory_is_refused(tmp_path):
-    archive = _tarball({"../../escape": b"x"})
-    server = Server(lambda path, headers: (200, {}, archive))
+    archive = tarball({"../../escape": b"x"})
+    server = RecordingServer(lambda path, headers: (200, {}, archive))
     try:
         result = fetch(tmp_path, f"{server.url}/evil.tar.gz")
     finally:

@@ -6,15 +6,12 @@ CRD's rules on a real kube-apiserver."""
 from __future__ import annotations
 
 import ast
-import http.server
 import importlib.util
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import tarfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +21,7 @@ import pytest
 import yaml
 
 from k8s_harness import EXAMPLE, free_port, wait_for
+from loopback_http import LoopbackHTTP, QuietHandler, RecordingServer, static_files, tarball
 from lockstep_engine.entrypoints.serve import build_parser
 from lockstep_operator import builders, plan, pods
 from lockstep_operator.config import OperatorConfig
@@ -212,7 +210,7 @@ def test_extra_args_may_not_set_the_lora_flags(flag):
 # --- lora_sync.py against a real HTTP server standing in for the engine ------------------------------------
 
 
-class FakeEngine:
+class FakeEngine(LoopbackHTTP):
     """The engine's /health, /v1/models and LoRA routes on loopback: loads succeed for directories with an
     adapter_config.json (else 400, as the engine refuses a malformed adapter), unloads of unknown names 404."""
 
@@ -224,7 +222,7 @@ class FakeEngine:
         self.healthy.set()
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def reply(self, status: int, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
@@ -258,55 +256,7 @@ class FakeEngine:
                 else:
                     self.reply(404, f"The lora adapter '{name}' cannot be found.".encode())
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-class FileServer:
-    """Static files on loopback (a hub or an object store), recording each path and Authorization header."""
-
-    def __init__(self, files: dict[str, tuple[str, bytes]]) -> None:
-        self.requests: list[tuple[str, str | None]] = []
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                outer.requests.append((self.path, self.headers.get("Authorization")))
-                content_type, body = files.get(self.path, ("text/plain", b""))
-                self.send_response(200 if self.path in files else 404)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def _tarball(files: dict[str, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+        self.start(Handler)
 
 
 def _hub_files(repo: str, revision: str) -> dict[str, tuple[str, bytes]]:
@@ -360,7 +310,7 @@ def _sync(inpod, tmp_path: Path, engine: FakeEngine | None, **env: str):
 
 
 def test_the_leader_fetches_hf_adapters_and_loads_every_listed_one(inpod, engine, tmp_path):
-    hub = FileServer(_hub_files("acme/sql-lora", "v1"))
+    hub = RecordingServer(static_files(_hub_files("acme/sql-lora", "v1")))
     token = tmp_path / "token"
     token.write_text("hf_secret\n")
     fetched = tmp_path / "cache" / "sql"
@@ -381,7 +331,7 @@ def test_the_leader_fetches_hf_adapters_and_loads_every_listed_one(inpod, engine
 
 
 def test_removed_adapters_are_unloaded_and_their_fetched_files_removed(inpod, engine, tmp_path):
-    archive = FileServer({"/legal.tar.gz": ("application/gzip", _tarball(ADAPTER_FILES))})
+    archive = RecordingServer(static_files({"/legal.tar.gz": ("application/gzip", tarball(ADAPTER_FILES))}))
     listed = tmp_path / "lora-adapters.json"
     fetched = tmp_path / "cache" / "legal"
     _write_list(listed, [{"name": "legal", "source": f"{archive.url}/legal.tar.gz", "path": str(fetched)}])
@@ -445,7 +395,7 @@ def test_nothing_is_loaded_before_the_engine_is_healthy(inpod, engine, tmp_path)
 
 
 def test_a_worker_pod_fetches_but_never_calls_the_engine(inpod, tmp_path):
-    archive = FileServer({"/a.tgz": ("application/gzip", _tarball(ADAPTER_FILES))})
+    archive = RecordingServer(static_files({"/a.tgz": ("application/gzip", tarball(ADAPTER_FILES))}))
     fetched = tmp_path / "cache" / "a"
     _write_list(tmp_path / "lora-adapters.json", [{"name": "a", "source": f"{archive.url}/a.tgz", "path": str(fetched)}])
     try:
