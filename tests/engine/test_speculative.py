@@ -139,6 +139,32 @@ TV_BOUND = 0.12
 UNRELATED_DRAFT = {"method": "draft_model", "model": "random:tiny", "seed": 7, "num_speculative_tokens": 2}
 
 
+def test_rows_without_an_ngram_match_verify_one_position(monkeypatch):
+    """A verify forward runs K + 1 positions for the rows that found a match and one for the rest, and the
+    greedy tokens stay the target's."""
+    from lockstep_engine.runner.steps import Steps
+
+    forwarded, verified = [], []
+    real_forward, real_verify = Steps.forward, spec_window.verify
+
+    def forward(self, ids, *args, **kwargs):
+        forwarded.append(ids.shape[0])
+        return real_forward(self, ids, *args, **kwargs)
+
+    def spy(logits, drafts, q, t, counters, proposed=None):
+        found = drafts.shape[0] if proposed is None else int(proposed.sum())
+        verified.append((forwarded[-1], drafts.shape[0], drafts.shape[1], found))
+        return real_verify(logits, drafts, q, t, counters, proposed)
+
+    monkeypatch.setattr(Steps, "forward", forward)
+    monkeypatch.setattr(spec_window, "verify", spy)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    assert _token_ids(_tiny(8, NGRAM).generate(prompts, params)) == _token_ids(_tiny(8).generate(prompts, params))
+    for tokens, rows, k, found in verified:
+        assert tokens == rows + k * found, (tokens, rows, k, found)
+    assert any(0 < found < rows for _, rows, k, found in verified if k), verified  # some steps were ragged
+
 @pytest.fixture(scope="module")
 def reference_frequencies():
     return _frequencies(_tiny(4, max_num_seqs=128), TINY_PROMPTS[0])
@@ -180,8 +206,8 @@ def test_rejection_sampling_against_a_draft_distribution_gives_the_targets():
 def test_a_broken_acceptance_rule_fails_the_same_bound(reference_frequencies, monkeypatch):
     real_verify = spec_window.verify
 
-    def accept_every_draft(logits, drafts, q, t, counters):
-        tokens, _ = real_verify(logits, drafts, q, t, counters)
+    def accept_every_draft(logits, drafts, q, t, counters, proposed=None):
+        tokens, _ = real_verify(logits, drafts, q, t, counters, proposed)
         tokens[:, :-1] = drafts
         return tokens, drafts.new_full((drafts.shape[0],), drafts.shape[1])
 

@@ -1,6 +1,7 @@
 """A window whose steps speculate (`WindowPlan.speculation`): each step proposes K tokens per row (n-gram
 prompt lookup or a draft model, `spec_decode`), verifies them in one target forward over K + 1 positions
-per row, and takes the accepted drafts and the bonus token.
+per row (one for a row that proposed nothing: an n-gram row without a match), and takes the accepted
+drafts and the bonus token.
 
 A window with prompt tokens runs its first step as every window does (`Steps.first_step`: prefill
 chunks and decodes, one sample per row; the draft model computes the same tokens into its cache); a
@@ -82,19 +83,40 @@ class SpecWindow:
         offsets = torch.arange(k + 1, device=steps.device)
         at = state.positions.unsqueeze(1) + offsets  # [rows, K + 1]
         ids = torch.cat((state.tokens.unsqueeze(1), drafts), dim=1)
-        hidden = steps.forward(ids.flatten(), self.layout.clamp(at).flatten(),
-                               self.layout.meta(at, state.done, max_seq_len))
-        raw = steps.model.compute_logits(hidden).float()
+        # a row that proposed nothing (no n-gram match) verifies its own position only
+        keep = None if q is not None or not k else (offsets == 0) | proposed.unsqueeze(1)
+        raw = self._target_logits(ids, at, None if keep is None or bool(keep.all()) else keep, max_seq_len)
         t = expand_rows(state.sampling, k + 1)
         counters = position_counts(state.num_generated, k + 1)
         logits = Sampler.processed_logits(raw, t, counters)
-        tokens, accepted = verify(logits.view(rows, k + 1, -1), drafts, q, t, counters)
+        tokens, accepted = verify(logits.view(rows, k + 1, -1), drafts, q, t, counters,
+                                  None if q is not None else proposed)
         self._count(accepted, proposed & ~state.done)
         count = self._advance(tokens, accepted)
         logprobs = None
         if state.sampling.num_logprobs >= 0:
             logprobs = _logprobs(raw, tokens.flatten(), state.sampling.num_logprobs)
         self._emit(number, tokens, count, logprobs)
+
+    def _target_logits(self, ids: torch.Tensor, at: torch.Tensor, keep: torch.Tensor | None,
+                       max_seq_len: int) -> torch.Tensor:
+        """The target's float32 logits at every position of `at` [rows, K + 1] ([rows * (K + 1), vocab]).
+        With `keep`, only the kept positions run through the model (rows verify different numbers of
+        positions); the others' logits are zeros, which no row takes a token from."""
+        state, steps = self.state, self.steps
+        if keep is None:
+            hidden = steps.forward(ids.flatten(), self.layout.clamp(at).flatten(),
+                                   self.layout.meta(at, state.done, max_seq_len))
+            return steps.model.compute_logits(hidden).float()
+        kept = keep.flatten().nonzero().squeeze(1)
+        positions = at.flatten().index_select(0, kept)
+        rows = kept // at.shape[1]
+        hidden = steps.forward(ids.flatten().index_select(0, kept), self.layout.clamp(positions),
+                               self.layout.meta(positions, state.done, max_seq_len, rows=rows))
+        logits = steps.model.compute_logits(hidden).float()
+        raw = logits.new_zeros(at.numel(), logits.shape[1])
+        raw.index_copy_(0, kept, logits)
+        return raw
 
     def _advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
         """Takes each row's accepted drafts and bonus token, cut at its first stop token and at what it may

@@ -20,16 +20,21 @@ class QueryLayout:
     sink_slot: int
     max_model_len: int
 
-    def meta(self, positions: torch.Tensor, done: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
-        """positions: [rows, Q] of this forward's query tokens; done: [rows] rows that write nothing.
-        A position past the row's reservation (the table) or past max_model_len writes to the sink."""
+    def meta(self, positions: torch.Tensor, done: torch.Tensor, max_seq_len: int,
+             rows: torch.Tensor | None = None) -> AttentionMetadata:
+        """positions: [rows, Q] of this forward's query tokens; done: [rows] rows that write nothing. With
+        `rows`, positions is flat instead ([tokens]) and rows[i] is token i's row: rows may then have
+        different numbers of query tokens. A position past the row's reservation (the table) or past
+        max_model_len writes to the sink."""
         bs, width = self.block_size, self.table.shape[1]
-        queries = positions.shape[1]
-        tables = self.table.repeat_interleave(queries, dim=0) if queries > 1 else self.table
+        if rows is None:
+            queries = positions.shape[1]
+            rows = torch.arange(positions.shape[0], device=positions.device).repeat_interleave(queries)
         flat = positions.flatten()
+        tables = self.table.index_select(0, rows)
         block = flat // bs
         slot = tables.gather(1, block.clamp(max=width - 1).unsqueeze(1)).squeeze(1) * bs + flat % bs
-        sink = done.repeat_interleave(queries) | (block >= width) | (flat >= self.max_model_len)
+        sink = done.index_select(0, rows) | (block >= width) | (flat >= self.max_model_len)
         slot = torch.where(sink, self.sink_slot, slot)
         max_seq_len = min(max_seq_len, width * bs)
         return AttentionMetadata(slot_mapping=slot, block_tables=tables, seq_lens=(flat + 1).clamp(max=max_seq_len),

@@ -55,16 +55,21 @@ def draft_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_q: torch.Tensor | None, t: SamplingTensors,
-           steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           steps: torch.Tensor, proposed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [rows, K + 1, vocab] processed target logits (`Sampler.processed_logits`); drafts: [rows, K];
     draft_q: [rows, K, vocab] the draft's distributions (None: one-hot drafts, n-gram or greedy);
     t: the sampling tensors expanded per position (`expand_rows`); steps: [rows * (K + 1)] output indices.
+    proposed: [rows] bool, None for all: a row that proposed nothing accepts no draft and takes its first
+    token from the target at its own position (argmax, or a draw from p_0 rather than a residual); its
+    later positions' logits are not read.
     Returns tokens [rows, K + 1] (the first `accepted + 1` are the step's output) and accepted [rows]
     (drafts accepted, 0..K)."""
     rows, positions, vocab = logits.shape
     k = positions - 1
     greedy_tokens = logits.argmax(dim=-1)  # [rows, K + 1]
     greedy_accepted = (drafts == greedy_tokens[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    if proposed is not None:
+        greedy_accepted = greedy_accepted * proposed
     if t.all_greedy:
         return greedy_tokens, greedy_accepted
     probs = draft_probs(logits.reshape(rows * positions, vocab), t).view(rows, positions, vocab)
@@ -77,6 +82,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_q: torch.Tensor | N
         q_draft = draft_q.gather(2, drafts.unsqueeze(2)).squeeze(2)
         accept = draws * q_draft < p_draft
         residual = (probs[:, :k] - draft_q).clamp(min=0.0)
+    if proposed is not None:  # no draft to reject: the first token is a plain draw from p_0
+        accept = accept & proposed.unsqueeze(1)
+        residual = torch.where(proposed.view(rows, 1, 1), residual, probs[:, :k])
     # A residual with no mass left (p <= q everywhere) can only follow an accepted draft: keep p there.
     empty = residual.sum(dim=2, keepdim=True) <= 0
     residual = torch.where(empty, probs[:, :k], residual)
