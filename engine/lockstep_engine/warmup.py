@@ -145,6 +145,8 @@ def warm_up(core: EngineCore, log: Callable[[str], None]) -> EngineCore:
         torch.cuda.synchronize(runner.device)
     runner.clock.harvest()  # warm-up steps' timings: not the serving core's
     graphs = runner.graphs.graphs if runner.graphs is not None else {}
+    spec = runner.graphs.spec if runner.graphs is not None else None
+    spec_note = f", {len(spec.captured)} speculative" if spec is not None else ""
     log(f"warm-up: done in {time.monotonic() - started:.1f}s ({core.stats.num_windows} windows, "
-        f"{core.stats.num_steps} steps, {len(graphs)} decode graphs captured)")
+        f"{core.stats.num_steps} steps, {len(graphs)} decode graphs{spec_note} captured)")
     return EngineCore(core.config, core.executor)

@@ -15,6 +15,8 @@ import torch
 from lockstep_engine.config import ConfigError, EngineConfig, parse_speculative_config
 from lockstep_engine.llm import LLM
 from lockstep_engine.runner import spec_window
+from lockstep_engine.runner.cuda_graphs import DecodeGraphs
+from lockstep_engine.runner.host_stream import HostRing
 from lockstep_engine.sampler import SamplingTensors
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.spec_decode.rejection import verify
@@ -164,6 +166,63 @@ def test_rows_without_an_ngram_match_verify_one_position(monkeypatch):
     for tokens, rows, k, found in verified:
         assert tokens == rows + k * found, (tokens, rows, k, found)
     assert any(0 < found < rows for _, rows, k, found in verified if k), verified  # some steps were ragged
+
+# ---- captured speculative steps (CUDA graphs) ---------------------------------------------------
+class _LandedEvent:
+    """A host copy that has always landed by the time it is asked about."""
+
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def _captured(llm: LLM, device: str) -> LLM:
+    """On "cpu-cuda-paths" the CUDA path runs on the CPU: each captured step replayed eagerly on its static
+    buffers, its outputs copied into a host ring whose copies have always landed."""
+    if device == "cpu-cuda-paths":
+        runner = llm.engine.core.executor.runner
+        runner.graphs = DecodeGraphs(runner.steps, capture=False)
+        runner.host_ring = HostRing(allocate=lambda numel, dtype: torch.empty(numel, dtype=dtype),
+                                    event_factory=_LandedEvent)
+    return llm
+
+
+GRAPH_DEVICES = ["cpu-cuda-paths"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+@pytest.mark.parametrize("steps", [1, 8])
+def test_captured_ngram_steps_give_the_eager_windows_tokens_and_counts(device, steps):
+    """A window of captured n-gram steps (every row verifies K + 1 positions, its outputs stream through the
+    host ring) gives the eager window's tokens, finishes and draft counters: greedy, seeded sampling with
+    and without top-p, stop tokens and max_tokens inside accepted drafts."""
+    def make(**kwargs) -> LLM:
+        return LLM("random:tiny", num_scheduler_steps=steps, device=device.removesuffix("-cuda-paths"), dtype="float32",
+                   num_gpu_blocks_override=256, speculative_config=NGRAM, **kwargs)
+
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS] * 2
+    free = _token_ids(make(enforce_eager=True).generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))[0]
+    params = ([SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 7, 23, 1, 40)]
+              + [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[free[9]])]
+              + [SamplingParams(temperature=0.8, seed=s, max_tokens=25, ignore_eos=True) for s in (1, 2)]
+              + [SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25, ignore_eos=True)] * 2)
+    eager = make(enforce_eager=True)
+    expected = eager.generate(prompts, params)
+    captured = _captured(make(), device)
+    got = captured.generate(prompts, params)
+    assert _token_ids(got) == _token_ids(expected)
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+    assert got[5].outputs[0].token_ids[-1] == free[9] and got[5].outputs[0].finish_reason == "stop"
+    assert captured.engine.core.stats.spec == eager.engine.core.stats.spec
+    spec_graphs = captured.engine.core.executor.runner.graphs.spec
+    assert spec_graphs is not None and len(spec_graphs.captured) >= 2  # greedy and sampling buckets replayed
+
 
 @pytest.fixture(scope="module")
 def reference_frequencies():

@@ -31,9 +31,11 @@ class _Eager:
         self.replay = body
 
 
-class _Graph:
-    def __init__(self, steps, bucket: int, greedy: bool, filtered: bool, pool, capture: bool = True,
-                 lora: bool = False):
+class StaticState:
+    """A bucket's static device buffers for a window's decode state (what a captured step reads and
+    writes): `load` copies a window's `DecodeState` in, padding rows done; `state()` views them as one."""
+
+    def __init__(self, steps, bucket: int, greedy: bool, filtered: bool, lora: bool = False):
         device, vocab = steps.device, steps.vocab_size
         width = -(-steps.max_model_len // steps.block_size)
         i64 = dict(dtype=torch.int64, device=device)
@@ -58,28 +60,14 @@ class _Graph:
             min_tokens=torch.zeros(bucket, **i64), presence=None, frequency=None, repetition=None,
             prompt_mask=None, logit_bias=None, all_greedy=greedy, any_filter=filtered, num_logprobs=-1)
 
-        def body():
-            state = DecodeState(sampling=self.sampling, counts=None, table=self.inputs["table"],
-                                lora_slots=self.lora_slots, **{name: self.inputs[name] for name in _STATE_FIELDS})
-            steps.step(state, steps.max_model_len, None)
-            for name in _STATE_FIELDS:
-                self.inputs[name].copy_(getattr(state, name))
-            self.inputs["emitted"].copy_(state.emitted)
+    def state(self) -> DecodeState:
+        return DecodeState(sampling=self.sampling, counts=None, table=self.inputs["table"],
+                           lora_slots=self.lora_slots, **{name: self.inputs[name] for name in _STATE_FIELDS})
 
-        if not capture:
-            self.graph = _Eager(body)
-            return
-        # Warm up on a side stream (Triton compiles, allocator settles), then capture.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.inputs["done"].fill_(True)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            body()
+    def store(self, state: DecodeState) -> None:
+        """Copies a step's new state back into the buffers (inside the captured body)."""
+        for name in _STATE_FIELDS:
+            self.inputs[name].copy_(getattr(state, name))
 
     def load(self, state) -> None:
         """Copies a window's decode state into the static buffers; padding rows are done."""
@@ -102,6 +90,40 @@ class _Graph:
         stop[:rows, :state.sampling.stop_ids.shape[1]].copy_(state.sampling.stop_ids)
 
 
+def capture(body, device: torch.device, pool, enabled: bool, reset=None):
+    """`body` captured as a CUDA graph after two warm-up runs on a side stream (Triton compiles, the
+    allocator settles; `reset` then restores the buffers they changed), or `_Eager(body)` when not
+    `enabled` (the CPU tests)."""
+    if not enabled:
+        return _Eager(body)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    if reset is not None:
+        reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph
+
+
+class _Graph(StaticState):
+    def __init__(self, steps, bucket: int, greedy: bool, filtered: bool, pool, capture_graph: bool = True,
+                 lora: bool = False):
+        super().__init__(steps, bucket, greedy, filtered, lora)
+
+        def body():
+            state = self.state()
+            steps.step(state, steps.max_model_len, None)
+            self.store(state)
+            self.inputs["emitted"].copy_(state.emitted)
+
+        self.graph = capture(body, steps.device, pool, capture_graph, reset=lambda: self.inputs["done"].fill_(True))
+
+
 class DecodeGraphs:
     """The captured decode steps of one runner and attention backend, one graph per batch bucket and
     sampling kind, over the runner's `Steps` (`lockstep_engine.runner.steps`)."""
@@ -112,6 +134,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool, bool, bool], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.sink_block = steps.num_blocks
+        self.spec = None  # the speculative steps' graphs over this pool (`spec_window.SpecGraphs`), made on use
 
     def usable(self, state, guide) -> bool:
         t = state.sampling

@@ -25,7 +25,7 @@ from lockstep_engine.runner.cuda_graphs import BUCKETS, DecodeGraphs
 from lockstep_engine.runner.host_stream import HostRing, StepStream, WindowTail
 from lockstep_engine.runner.outputs import Guide, GuideFactory, StepOutput, StepTag, WindowTimings
 from lockstep_engine.runner.pipelined import run_pipelined
-from lockstep_engine.runner.spec_window import run_speculative
+from lockstep_engine.runner.spec_window import SpecGraphs, run_speculative
 from lockstep_engine.runner.step_clock import StepClock
 from lockstep_engine.runner.steps import Steps
 from lockstep_engine.runner.window_state import FirstStep, first_step_phase, has_guided_rows
@@ -256,6 +256,14 @@ class ModelRunner:
                                            self.num_blocks)
         return self._drafts[key]
 
+    def spec_graphs(self, spec) -> SpecGraphs | None:
+        """The captured n-gram speculative steps of the current decode graphs (None: eager, or a draft model)."""
+        if self.graphs is None or spec is None or not spec.is_ngram:
+            return None
+        if self.graphs.spec is None or self.graphs.spec.spec != spec:
+            self.graphs.spec = SpecGraphs(self.graphs, spec, self.config.max_num_seqs)
+        return self.graphs.spec
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -299,7 +307,7 @@ class ModelRunner:
             if tail is not None:
                 raise RuntimeError("a window tail cannot be carried into a speculative window")
             return run_speculative(self.steps, plan, self.draft_model(plan.speculation), self.clock, on_step,
-                                   continuing, should_cut, started)
+                                   continuing, should_cut, started, self.spec_graphs(plan.speculation), self.host_ring)
         if self.micro_batches > 1 and len(plan.rows) > 1:
             if tail is not None:
                 raise RuntimeError("a window tail cannot be carried into pipeline micro-batches")

@@ -13,17 +13,28 @@ overwrites before anything reads it (each query sees keys up to its own position
 
 A step's tokens reach the host at once, as one output per token position (a row with fewer tokens
 than another gets -1 in the later ones), so the engine core, streaming, stop strings and usage see
-tokens one at a time as without speculation. Speculative windows are synchronous (no overlap tail)
-and run eagerly (no CUDA graphs).
+tokens one at a time as without speculation.
+
+On CUDA an n-gram window's speculative steps run as replays of a captured graph per batch bucket
+(`SpecGraph`: the proposal over a static history of max_model_len tokens per row, the verify forward
+over K + 1 positions for every row, acceptance and advance), their outputs copied to the host as each
+step's copy lands, so the host does not stop the device between steps. Rows without a match verify
+K + 1 positions there too (a decode forward reads the weights once whatever its few positions). Windows
+with a draft model, logprobs, logit bias or bad words run eagerly, and a row without a match then
+verifies its own position only. Speculative windows are synchronous (no overlap tail into the next
+window).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable
 
 import torch
 
+from lockstep_engine.runner.cuda_graphs import BUCKETS, MAX_STOP_IDS, StaticState, capture
+from lockstep_engine.runner.host_stream import HostRing
 from lockstep_engine.runner.outputs import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SpecCounts, StepOutput, StepTag,
                                            WindowTimings)
 from lockstep_engine.runner.step_inputs import pad_rows
@@ -36,15 +47,138 @@ from lockstep_engine.spec_decode.ngram import propose_ngram
 from lockstep_engine.spec_decode.rejection import expand_rows, position_counts, verify
 
 
+class SpecTally:
+    """A window's draft counters on the device, added to at every step without a host sync and read once
+    at the window's end: drafts, draft tokens, accepted tokens, accepted at draft position 0..K-1."""
+
+    def __init__(self, k: int, device: torch.device):
+        self.k = k
+        self.values = torch.zeros(3 + k, dtype=torch.int64, device=device)
+
+    def add(self, accepted: torch.Tensor, proposed: torch.Tensor) -> None:
+        """Counts the drafts of the rows that proposed (a row done before the step proposes nothing)."""
+        taken = torch.where(proposed, accepted, 0)
+        rows = proposed.sum()
+        per_pos = (taken.unsqueeze(1) > torch.arange(self.k, device=taken.device)).sum(dim=0)
+        self.values += torch.cat((torch.stack((rows, rows * self.k, taken.sum())), per_pos))
+
+    def counts(self) -> SpecCounts:
+        values = self.values.tolist()
+        return SpecCounts(values[0], values[1], values[2], tuple(values[3:]))
+
+
+def speculate(steps: Steps, spec, draft, state: DecodeState, history: torch.Tensor, layout: QueryLayout,
+              tally: SpecTally, max_seq_len: int, ragged: bool) -> tuple[torch.Tensor, ...]:
+    """One speculative step over `state`: proposes, verifies, accepts and advances the rows (`state` and
+    `history` change). Returns the tokens [rows, K + 1] (a row's first `count` are its output), the
+    counts [rows], the finish codes [rows] and the raw logits. `ragged`: the host may look at the
+    proposals (eager windows): rows without one verify their own position only, and a step where no row
+    proposed is a plain decode step; a captured step verifies K + 1 positions for every row."""
+    rows = state.tokens.shape[0]
+    drafts, q, proposed = _propose(spec, draft, state, history, layout, max_seq_len)
+    if ragged and q is None and not bool(proposed.any()):
+        drafts = drafts[:, :0]  # no row found its suffix earlier: a plain decode step, no K wasted positions
+    k = drafts.shape[1]
+    offsets = torch.arange(k + 1, device=steps.device)
+    at = state.positions.unsqueeze(1) + offsets  # [rows, K + 1]
+    ids = torch.cat((state.tokens.unsqueeze(1), drafts), dim=1)
+    keep = None
+    if ragged and q is None and k:  # a row that proposed nothing verifies its own position only
+        keep = (offsets == 0) | proposed.unsqueeze(1)
+        keep = None if bool(keep.all()) else keep
+    raw = _target_logits(steps, state, layout, ids, at, keep, max_seq_len)
+    t = expand_rows(state.sampling, k + 1)
+    counters = position_counts(state.num_generated, k + 1)
+    logits = Sampler.processed_logits(raw, t, counters)
+    tokens, accepted = verify(logits.view(rows, k + 1, -1), drafts, q, t, counters,
+                              None if q is not None else proposed)
+    tally.add(accepted, proposed & ~state.done)
+    count, finish = _advance(state, history, tokens, accepted)
+    return tokens, count, finish, raw
+
+
+def _propose(spec, draft, state: DecodeState, history: torch.Tensor, layout: QueryLayout,
+             max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Drafts [rows, K], the draft's distributions or None, and which rows proposed."""
+    k = spec.num_speculative_tokens
+    if spec.is_ngram:
+        drafts, found = propose_ngram(history, state.positions + 1, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return drafts, None, found
+    previous = history.gather(1, (state.positions - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    drafts, q = draft.propose(layout, previous, state.tokens, state.positions, state.done, state.sampling,
+                              state.num_generated, k, max_seq_len)
+    return drafts, q, torch.ones_like(state.done)
+
+
+def _target_logits(steps: Steps, state: DecodeState, layout: QueryLayout, ids: torch.Tensor, at: torch.Tensor,
+                   keep: torch.Tensor | None, max_seq_len: int) -> torch.Tensor:
+    """The target's float32 logits at every position of `at` [rows, K + 1] ([rows * (K + 1), vocab]).
+    With `keep`, only the kept positions run through the model (rows verify different numbers of
+    positions); the others' logits are zeros, which no row takes a token from."""
+    if keep is None:
+        hidden = steps.forward(ids.flatten(), layout.clamp(at).flatten(), layout.meta(at, state.done, max_seq_len))
+        return steps.model.compute_logits(hidden).float()
+    kept = keep.flatten().nonzero().squeeze(1)
+    positions = at.flatten().index_select(0, kept)
+    rows = kept // at.shape[1]
+    hidden = steps.forward(ids.flatten().index_select(0, kept), layout.clamp(positions),
+                           layout.meta(positions, state.done, max_seq_len, rows=rows))
+    logits = steps.model.compute_logits(hidden).float()
+    raw = logits.new_zeros(at.numel(), logits.shape[1])
+    raw.index_copy_(0, kept, logits)
+    return raw
+
+
+def _advance(state: DecodeState, history: torch.Tensor, tokens: torch.Tensor,
+             accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Takes each row's accepted drafts and bonus token, cut at its first stop token and at what it may
+    still take; moves its state and history on by that count. Returns the counts and finish codes [rows]."""
+    k = tokens.shape[1] - 1
+    valid = ~state.done
+    offsets = torch.arange(k + 1, device=tokens.device).unsqueeze(0)
+    is_stop = (tokens.unsqueeze(2) == state.sampling.stop_ids.unsqueeze(1)).any(dim=2)  # [rows, K + 1]
+    first_stop = torch.where(is_stop, offsets, k + 1).amin(dim=1)
+    count = torch.minimum(accepted + 1, state.max_steps - state.steps_done)
+    hit_stop = (first_stop < count) & valid
+    count = torch.where(hit_stop, first_stop + 1, count) * valid
+    last = tokens.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    index = (state.positions.unsqueeze(1) + 1 + offsets).clamp(max=history.shape[1] - 1)
+    keep = offsets < count.unsqueeze(1)
+    history.scatter_(1, index, torch.where(keep, tokens, history.gather(1, index)))
+    state.tokens = torch.where(count > 0, last, state.tokens)
+    state.positions = state.positions + count
+    state.steps_done = state.steps_done + count
+    state.num_generated = state.num_generated + count
+    at_limit = (state.steps_done >= state.budget) & valid
+    finish = torch.where(hit_stop, FINISH_STOP, torch.where(at_limit, FINISH_LENGTH, FINISH_NONE))
+    state.done = state.done | hit_stop | (state.steps_done >= state.max_steps)
+    return count, finish
+
+
+def emit_positions(on_step: Callable[[StepOutput], None], timings: WindowTimings, number: int, tokens: list,
+                   count: list, finish: list, logprobs: list | None = None) -> None:
+    """One host output per token position that some row took (host lists of one step: tokens
+    [rows][K + 1], count and finish [rows]; logprobs as `_logprobs` gives them, or None)."""
+    started = time.perf_counter()
+    for j in range(max(count, default=0)):
+        out = StepOutput(number, [row[j] if j < n else -1 for row, n in zip(tokens, count)],
+                         [code if j == n - 1 else FINISH_NONE for code, n in zip(finish, count)])
+        if logprobs is not None:
+            chosen, ranks, top_logprobs, top_ids = ([row[j] for row in x] if x is not None else None for x in logprobs)
+            out.logprobs, out.ranks, out.top_logprobs, out.top_ids = chosen, ranks, top_logprobs, top_ids
+        on_step(out)
+    timings.output_s += time.perf_counter() - started
+
+
 class SpecWindow:
-    """One speculative window's device state and steps."""
+    """One speculative window run eagerly: its device state and steps."""
 
     def __init__(self, steps: Steps, plan: WindowPlan, draft, on_step: Callable[[StepOutput], None],
                  timings: WindowTimings):
         self.steps, self.spec, self.draft = steps, plan.speculation, draft
         self.k = self.spec.num_speculative_tokens
         self.on_step, self.timings = on_step, timings
-        self.counts = SpecCounts(accepted_per_pos=(0,) * self.k)
+        self.tally = SpecTally(self.k, steps.device)
 
     def start(self, state: DecodeState, seqs: list, max_dec_len: int) -> None:
         """The rows' tokens (prompt and outputs, the last one `state.tokens`) as the proposers' history."""
@@ -58,114 +192,125 @@ class SpecWindow:
         self.history = history.to(steps.device)
         self.history.scatter_(1, state.positions.unsqueeze(1), state.tokens.unsqueeze(1))
 
-    def propose(self, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Drafts [rows, K], the draft's distributions or None, and which rows proposed."""
-        state, spec = self.state, self.spec
-        if spec.is_ngram:
-            drafts, found = propose_ngram(self.history, state.positions + 1, self.k, spec.prompt_lookup_min,
-                                          spec.prompt_lookup_max)
-            return drafts, None, found
-        previous = self.history.gather(1, (state.positions - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        drafts, q = self.draft.propose(self.layout, previous, state.tokens, state.positions, state.done,
-                                       state.sampling, state.num_generated, self.k, max_seq_len)
-        return drafts, q, torch.ones_like(state.done)
-
     def step(self, number: int) -> None:
         """Speculative step `number` of the window (1-based); its tokens go to the host."""
-        state, steps = self.state, self.steps
-        rows = state.tokens.shape[0]
+        state = self.state
         # Longest context this step can see: the window's longest row plus K + 1 per earlier step.
         max_seq_len = self.max_dec_len + number * (self.k + 1)
-        drafts, q, proposed = self.propose(max_seq_len)
-        if q is None and not bool(proposed.any()):
-            drafts = drafts[:, :0]  # no row found its suffix earlier: a plain decode step, no K wasted positions
-        k = drafts.shape[1]
-        offsets = torch.arange(k + 1, device=steps.device)
-        at = state.positions.unsqueeze(1) + offsets  # [rows, K + 1]
-        ids = torch.cat((state.tokens.unsqueeze(1), drafts), dim=1)
-        # a row that proposed nothing (no n-gram match) verifies its own position only
-        keep = None if q is not None or not k else (offsets == 0) | proposed.unsqueeze(1)
-        raw = self._target_logits(ids, at, None if keep is None or bool(keep.all()) else keep, max_seq_len)
-        t = expand_rows(state.sampling, k + 1)
-        counters = position_counts(state.num_generated, k + 1)
-        logits = Sampler.processed_logits(raw, t, counters)
-        tokens, accepted = verify(logits.view(rows, k + 1, -1), drafts, q, t, counters,
-                                  None if q is not None else proposed)
-        self._count(accepted, proposed & ~state.done)
-        count = self._advance(tokens, accepted)
+        tokens, count, finish, raw = speculate(self.steps, self.spec, self.draft, state, self.history, self.layout,
+                                               self.tally, max_seq_len, ragged=True)
         logprobs = None
         if state.sampling.num_logprobs >= 0:
-            logprobs = _logprobs(raw, tokens.flatten(), state.sampling.num_logprobs)
-        self._emit(number, tokens, count, logprobs)
+            rows = len(count)
+            logprobs = [x.view(rows, tokens.shape[1], *x.shape[1:]).tolist() if x is not None else None
+                        for x in _logprobs(raw, tokens.flatten(), state.sampling.num_logprobs)]
+        emit_positions(self.on_step, self.timings, number, tokens.tolist(), count.tolist(), finish.tolist(), logprobs)
 
-    def _target_logits(self, ids: torch.Tensor, at: torch.Tensor, keep: torch.Tensor | None,
-                       max_seq_len: int) -> torch.Tensor:
-        """The target's float32 logits at every position of `at` [rows, K + 1] ([rows * (K + 1), vocab]).
-        With `keep`, only the kept positions run through the model (rows verify different numbers of
-        positions); the others' logits are zeros, which no row takes a token from."""
-        state, steps = self.state, self.steps
-        if keep is None:
-            hidden = steps.forward(ids.flatten(), self.layout.clamp(at).flatten(),
-                                   self.layout.meta(at, state.done, max_seq_len))
-            return steps.model.compute_logits(hidden).float()
-        kept = keep.flatten().nonzero().squeeze(1)
-        positions = at.flatten().index_select(0, kept)
-        rows = kept // at.shape[1]
-        hidden = steps.forward(ids.flatten().index_select(0, kept), self.layout.clamp(positions),
-                               self.layout.meta(positions, state.done, max_seq_len, rows=rows))
-        logits = steps.model.compute_logits(hidden).float()
-        raw = logits.new_zeros(at.numel(), logits.shape[1])
-        raw.index_copy_(0, kept, logits)
-        return raw
 
-    def _advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-        """Takes each row's accepted drafts and bonus token, cut at its first stop token and at what it may
-        still take; moves its state on by that count. Returns the counts [rows]."""
-        state, k = self.state, tokens.shape[1] - 1
-        valid = ~state.done
-        offsets = torch.arange(k + 1, device=tokens.device).unsqueeze(0)
-        is_stop = (tokens.unsqueeze(2) == state.sampling.stop_ids.unsqueeze(1)).any(dim=2)  # [rows, K + 1]
-        first_stop = torch.where(is_stop, offsets, k + 1).amin(dim=1)
-        count = torch.minimum(accepted + 1, state.max_steps - state.steps_done)
-        hit_stop = (first_stop < count) & valid
-        count = torch.where(hit_stop, first_stop + 1, count) * valid
-        last = tokens.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        index = (state.positions.unsqueeze(1) + 1 + offsets).clamp(max=self.history.shape[1] - 1)
-        keep = offsets < count.unsqueeze(1)
-        self.history.scatter_(1, index, torch.where(keep, tokens, self.history.gather(1, index)))
-        state.tokens = torch.where(count > 0, last, state.tokens)
-        state.positions = state.positions + count
-        state.steps_done = state.steps_done + count
-        state.num_generated = state.num_generated + count
-        at_limit = (state.steps_done >= state.budget) & valid
-        self.finish = torch.where(hit_stop, FINISH_STOP, torch.where(at_limit, FINISH_LENGTH, FINISH_NONE))
-        state.done = state.done | hit_stop | (state.steps_done >= state.max_steps)
-        return count
+class SpecGraph(StaticState):
+    """An n-gram speculative step of one batch bucket, captured: the window's decode state, a history of
+    max_model_len + K + 2 tokens per row (a view of the `SpecGraphs`' shared buffer), the step's outputs
+    and the window's tally, all static."""
 
-    def _count(self, accepted: torch.Tensor, proposed: torch.Tensor) -> None:
-        """Counts the drafts of the rows that proposed (a row done before the step proposes nothing)."""
-        k = self.k
-        rows = int(proposed.sum())
-        taken = torch.where(proposed, accepted, 0)
-        per_pos = (taken.unsqueeze(1) > torch.arange(k, device=taken.device)).sum(dim=0).tolist()
-        self.counts = self.counts.plus(SpecCounts(rows, rows * k, int(taken.sum()), tuple(per_pos)))
+    def __init__(self, steps: Steps, spec, bucket: int, greedy: bool, filtered: bool, pool, capture_graph: bool,
+                 history: torch.Tensor):
+        super().__init__(steps, bucket, greedy, filtered)
+        k = spec.num_speculative_tokens
+        i64 = dict(dtype=torch.int64, device=steps.device)
+        self.history = history[:bucket]
+        self.tally = SpecTally(k, steps.device)
+        self.outputs = (torch.full((bucket, k + 1), -1, **i64), torch.zeros(bucket, **i64), torch.zeros(bucket, **i64))
+        layout = QueryLayout(self.inputs["table"], steps.block_size, steps.sink_slot, steps.max_model_len)
 
-    def _emit(self, number: int, tokens: torch.Tensor, count: torch.Tensor, logprobs) -> None:
-        """One host output per token position that some row took."""
-        started = time.perf_counter()
-        tokens, count, finish = tokens.tolist(), count.tolist(), self.finish.tolist()
-        if logprobs is not None:
-            logprobs = [x.view(len(count), len(tokens[0]), *x.shape[1:]).tolist() if x is not None else None
-                        for x in logprobs]
-        for j in range(max(count, default=0)):
-            out = StepOutput(number, [row[j] if j < n else -1 for row, n in zip(tokens, count)],
-                             [code if j == n - 1 else FINISH_NONE for code, n in zip(finish, count)])
-            if logprobs is not None:
-                chosen, ranks, top_logprobs, top_ids = ([row[j] for row in x] if x is not None else None
-                                                        for x in logprobs)
-                out.logprobs, out.ranks, out.top_logprobs, out.top_ids = chosen, ranks, top_logprobs, top_ids
-            self.on_step(out)
-        self.timings.output_s += time.perf_counter() - started
+        def body():
+            state = self.state()
+            results = speculate(steps, spec, None, state, self.history, layout, self.tally, steps.max_model_len,
+                                ragged=False)
+            self.store(state)
+            for buffer, value in zip(self.outputs, results):
+                buffer.copy_(value)
+
+        def reset():
+            self.inputs["done"].fill_(True)
+            self.tally.values.zero_()
+
+        self.graph = capture(body, steps.device, pool, capture_graph, reset)
+
+    def begin(self, state: DecodeState, seqs: list) -> None:
+        """Loads a window's rows: their decode state and their tokens as the history."""
+        self.load(state)
+        self.tally.values.zero_()
+        known = torch.from_numpy(pad_rows([seq.token_ids for seq in seqs], 0))
+        self.history.zero_()
+        self.history[:len(seqs), :known.shape[1]].copy_(known)
+        self.history[:len(seqs)].scatter_(1, state.positions.unsqueeze(1), state.tokens.unsqueeze(1))
+
+    def step_outputs(self, rows: int) -> list[torch.Tensor]:
+        """The last replayed step's tokens [rows, K + 1], counts and finish codes [rows]."""
+        return [x[:rows] for x in self.outputs]
+
+
+class SpecGraphs:
+    """The captured n-gram speculative steps of one runner's decode graphs (`DecodeGraphs`: its pool and
+    capture setting), one per batch bucket up to `max_rows` and sampling kind, sharing one history."""
+
+    def __init__(self, graphs, spec, max_rows: int):
+        steps = graphs.steps
+        self.graphs, self.spec = graphs, spec
+        self.max_bucket = next((b for b in BUCKETS if b >= max_rows), BUCKETS[-1])
+        self.history = torch.zeros(self.max_bucket, steps.max_model_len + spec.num_speculative_tokens + 2,
+                                   dtype=torch.int64, device=steps.device)
+        self.captured: dict[tuple[int, bool, bool], SpecGraph] = {}
+
+    def usable(self, state: DecodeState) -> bool:
+        t = state.sampling
+        return (state.counts is None and t.num_logprobs < 0 and t.logit_bias is None and t.bad_last is None
+                and t.stop_ids.shape[1] <= MAX_STOP_IDS and state.lora_slots is None
+                and state.tokens.shape[0] <= self.max_bucket)
+
+    def graph(self, rows: int, greedy: bool, filtered: bool) -> SpecGraph:
+        bucket = next(b for b in BUCKETS if b >= rows)
+        key = (bucket, greedy, filtered)
+        if key not in self.captured:
+            self.captured[key] = SpecGraph(self.graphs.steps, self.spec, bucket, greedy, filtered, self.graphs.pool,
+                                           self.graphs.capture, self.history)
+        return self.captured[key]
+
+    def begin(self, state: DecodeState, seqs: list) -> SpecGraph:
+        graph = self.graph(len(seqs), state.sampling.all_greedy, state.sampling.any_filter)
+        graph.begin(state, seqs)
+        return graph
+
+
+class SpecStream:
+    """A captured window's step outputs to the host: each step's copy into a slot of the runner's
+    `HostRing` is queued behind its replay and handed over (`emit_positions`) once it landed; without a
+    ring (the CPU) at once."""
+
+    def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings, ring: HostRing | None):
+        self.on_step, self.timings, self.ring = on_step, timings, ring
+        self.pending: deque = deque()
+
+    def push(self, number: int, tensors: list[torch.Tensor]) -> None:
+        if self.ring is None:
+            emit_positions(self.on_step, self.timings, number, *[x.tolist() for x in tensors])
+            return
+        slot = self.ring.acquire()
+        slot.copy_from(tensors, self.ring.allocate)
+        self.pending.append((number, slot))
+        while self.pending and self.pending[0][1].event.query():
+            self._deliver(*self.pending.popleft())
+
+    def drain(self, keep: int = 0) -> None:
+        while len(self.pending) > keep:
+            number, slot = self.pending.popleft()
+            slot.event.synchronize()
+            self._deliver(number, slot)
+
+    def _deliver(self, number: int, slot) -> None:
+        values = slot.values()
+        self.ring.release(slot)
+        emit_positions(self.on_step, self.timings, number, *values)
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> list:
@@ -178,19 +323,19 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> list:
 
 
 def run_speculative(steps: Steps, plan: WindowPlan, draft, clock, on_step: Callable[[StepOutput], None],
-                    continuing: bool, should_cut: Callable[[], bool] | None, started: float) -> WindowTimings:
-    """Runs a speculative window (see the module docstring); `draft` is the draft model or None (n-gram)."""
+                    continuing: bool, should_cut: Callable[[], bool] | None, started: float,
+                    graphs: SpecGraphs | None = None, ring: HostRing | None = None) -> WindowTimings:
+    """Runs a speculative window (see the module docstring); `draft` is the draft model or None (n-gram);
+    `graphs`: the runner's captured n-gram steps (None: eager), whose outputs go through `ring`."""
     timings = WindowTimings()
     first = steps.first_step(plan.rows)
     rows_n = len(first.sampling_rows)
     timings.prepare_s = time.perf_counter() - started
     clock.begin_window(continuing)
     decode_only = rows_n == len(plan.rows) and first.input_ids.shape[0] == rows_n and first.prompt is None
-    window = SpecWindow(steps, plan, draft, on_step, timings)
     done_steps = 0
     if decode_only:
         state = steps.decode_window_state(first)
-        window.start(state, [row.seq for row in first.sampling_rows], first.max_dec_len)
     else:
         clock.start(StepTag(1, first_step_phase(plan), rows_n))
         hidden = steps.forward(first.input_ids, first.positions, first.meta)
@@ -206,8 +351,15 @@ def run_speculative(steps: Steps, plan: WindowPlan, draft, clock, on_step: Calla
         out = steps.sample_first(hidden, first, None)
         state = steps.decode_state(first, out)
         clock.end()
-        window.start(state, [row.seq for row in first.sampling_rows], first.max_dec_len)
         _emit_first(state, out, on_step, timings)
+    seqs = [row.seq for row in first.sampling_rows]
+    if graphs is not None and draft is None and plan.num_steps > done_steps and graphs.usable(state):
+        _replay_speculative(graphs.begin(state, seqs), rows_n, done_steps, plan.num_steps, clock, on_step,
+                            should_cut, ring, timings)
+        timings.steps = clock.harvest()
+        return timings
+    window = SpecWindow(steps, plan, draft, on_step, timings)
+    window.start(state, seqs, first.max_dec_len)
     for number in range(done_steps + 1, plan.num_steps + 1):
         if bool(state.done.all()) or number > 1 and should_cut is not None and should_cut():
             break
@@ -215,9 +367,29 @@ def run_speculative(steps: Steps, plan: WindowPlan, draft, clock, on_step: Calla
         window.step(number)
         clock.end()
         timings.num_steps = number
-    timings.spec = window.counts
+    timings.spec = window.tally.counts()
     timings.steps = clock.harvest()
     return timings
+
+
+def _replay_speculative(graph: SpecGraph, rows_n: int, done_steps: int, num_steps: int, clock,
+                        on_step: Callable[[StepOutput], None], should_cut: Callable[[], bool] | None,
+                        ring: HostRing | None, timings: WindowTimings) -> None:
+    """The window's speculative steps as replays of `graph`; each step's tokens reach the host as its copy
+    lands while the device runs the next. A cut is decided with one step in flight, as in plain windows."""
+    stream = SpecStream(on_step, timings, ring)
+    for number in range(done_steps + 1, num_steps + 1):
+        if number > 1 and should_cut is not None:
+            stream.drain(keep=1)
+            if should_cut():
+                break
+        clock.start(StepTag(number, "decode", rows_n))
+        graph.graph.replay()
+        clock.end()
+        timings.num_steps = number
+        stream.push(number, graph.step_outputs(rows_n))
+    stream.drain()
+    timings.spec = graph.tally.counts()
 
 
 def _emit_first(state: DecodeState, out, on_step: Callable[[StepOutput], None], timings: WindowTimings) -> None:
