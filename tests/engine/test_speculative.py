@@ -224,6 +224,22 @@ def test_captured_ngram_steps_give_the_eager_windows_tokens_and_counts(device, s
     assert spec_graphs is not None and len(spec_graphs.captured) >= 2  # greedy and sampling buckets replayed
 
 
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_captured_steps_near_max_model_len_stop_at_it(device):
+    """A window's reservation of K + 1 tokens a step reaches past max_model_len (its table is wider than a
+    graph's); rows end with "length" at max_model_len with the eager windows' tokens."""
+    def make(**kwargs) -> LLM:
+        return LLM("random:tiny", num_scheduler_steps=8, device=device.removesuffix("-cuda-paths"), dtype="float32",
+                   num_gpu_blocks_override=64, max_model_len=64, speculative_config=NGRAM, **kwargs)
+
+    prompts = [{"prompt_token_ids": (p * 20)[:50]} for p in TINY_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    expected = make(enforce_eager=True).generate(prompts, params)
+    got = _captured(make(), device).generate(prompts, params)
+    assert _token_ids(got) == _token_ids(expected)
+    assert all(len(o.outputs[0].token_ids) == 14 and o.outputs[0].finish_reason == "length" for o in got)
+
+
 @pytest.fixture(scope="module")
 def reference_frequencies():
     return _frequencies(_tiny(4, max_num_seqs=128), TINY_PROMPTS[0])

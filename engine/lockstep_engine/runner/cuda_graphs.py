@@ -79,7 +79,10 @@ class StaticState:
         self.inputs["max_steps"][rows:].fill_(0)
         table = self.inputs["table"]
         table.fill_(self.sink_block)
-        table[:rows, :state.table.shape[1]].copy_(state.table)
+        # A window's table may reach past max_model_len (a speculative window reserves K + 1 tokens a step
+        # for its worst case); positions there write to the sink, so the columns past the buffer's are unused.
+        width = min(state.table.shape[1], table.shape[1])
+        table[:rows, :width].copy_(state.table[:, :width])
         for name in _SAMPLING_FIELDS:
             getattr(self.sampling, name)[:rows].copy_(getattr(state.sampling, name))
         if self.lora_slots is not None:
