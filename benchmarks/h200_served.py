@@ -155,9 +155,15 @@ def scrape(url: str) -> dict:
 
     text = httpx.get(f"{url}/metrics", timeout=10.0).text
     values = {"busy": 0.0, "idle": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0, "boundary_buckets": {},
-              "windows": 0.0, "steps": 0.0, "cuts": 0.0, "overlapped": 0.0, "occupancy": None, "host": {}}
+              "windows": 0.0, "steps": 0.0, "cuts": 0.0, "overlapped": 0.0, "occupancy": None, "host": {},
+              "busy_by_phase": {}, "forwards_by_phase": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name in ("lockstep_gpu_busy_seconds_total", "lockstep_step_duration_seconds_count"):
+                # device time and forwards per step phase (prefill: steps with prompt tokens)
+                split = "busy_by_phase" if sample.name.startswith("lockstep_gpu") else "forwards_by_phase"
+                phase = sample.labels.get("phase", "")
+                values[split][phase] = values[split].get(phase, 0.0) + sample.value
             key = _SUMMED.get(sample.name)
             if key is not None:
                 values[key] += sample.value
@@ -247,6 +253,8 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
         "longest_output_ttft_s": None if longest is None else result["ttfts"][longest],
         "longest_output_e2el_s": None if longest is None else result["ttfts"][longest] + sum(result["itls"][longest]),
         "host_s": {phase: seconds - before["host"].get(phase, 0.0) for phase, seconds in after["host"].items()},
+        **{key: {phase: value - before[key].get(phase, 0.0) for phase, value in after[key].items()}
+           for key in ("busy_by_phase", "forwards_by_phase")},
     }
     log(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k != "label"))
     return row
