@@ -19,6 +19,7 @@ from lockstep_engine.runner.cuda_graphs import DecodeGraphs
 from lockstep_engine.runner.host_stream import HostRing
 from lockstep_engine.sampler import SamplingTensors
 from lockstep_engine.sampling_params import SamplingParams
+from lockstep_engine.sequence import Request
 from lockstep_engine.spec_decode.rejection import verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -238,6 +239,47 @@ def test_captured_steps_near_max_model_len_stop_at_it(device):
     got = _captured(make(), device).generate(prompts, params)
     assert _token_ids(got) == _token_ids(expected)
     assert all(len(o.outputs[0].token_ids) == 14 and o.outputs[0].finish_reason == "length" for o in got)
+
+
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_captured_steps_of_a_window_cut_mid_way_keep_the_tokens(device):
+    """An arrival cut asked with one captured step in flight ends the window there (three steps here); the
+    rows go on in the next windows with the tokens of uncut eager windows, and every block comes back."""
+    def make(**kwargs) -> LLM:
+        return LLM("random:tiny", num_scheduler_steps=16, device=device.removesuffix("-cuda-paths"), dtype="float32",
+                   num_gpu_blocks_override=256, speculative_config=NGRAM, **kwargs)
+
+    lengths = {"a": 40, "b": 29}
+    prompts = {"a": TINY_PROMPTS[0], "b": TINY_PROMPTS[1]}
+    expected = make(enforce_eager=True).generate([{"prompt_token_ids": prompts[r]} for r in lengths],
+                                                 [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                                                  for m in lengths.values()])
+    core = _captured(make(), device).engine.core
+    free = core.blocks.num_free_blocks
+    tokens: dict[str, list[int]] = {}
+
+    def emit(step) -> None:
+        for output in step.all_outputs():
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+
+    for request_id, max_tokens in lengths.items():
+        core.add_request(Request(request_id, prompts[request_id],
+                                 SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                                 core.config.max_model_len, 0))
+    windows = []
+    while core.has_unfinished() and len(windows) < 100:
+        asked = 0
+
+        def should_cut() -> bool:
+            nonlocal asked
+            asked += 1
+            return asked == 3
+
+        windows.append(core.step(emit, should_cut).num_steps)
+    assert [tokens["a"], tokens["b"]] == _token_ids(expected)
+    assert windows[:-1] == [3] * (len(windows) - 1) and core.stats.num_cut_windows >= len(windows) - 1
+    assert core.blocks.num_free_blocks == free
+    assert core.executor.runner.graphs.spec.captured  # the windows' speculative steps were replays
 
 
 @pytest.fixture(scope="module")
