@@ -166,6 +166,8 @@ def main() -> int:
                     reference[concurrency] = texts_out
                 results.append(row)
                 log(json.dumps(row))
+                with open(os.path.join(out, "spec_served.json"), "w") as handle:  # kept if a later run is cut off
+                    json.dump(results, handle, indent=1)
         finally:
             server.stop()
     print("\n| setting | concurrency | req/s | out tok/s | TTFT p50 ms | TPOT p50 ms | chunk gap p50 / p99 ms "
