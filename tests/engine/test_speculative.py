@@ -282,6 +282,12 @@ def test_captured_steps_of_a_window_cut_mid_way_keep_the_tokens(device):
     assert core.executor.runner.graphs.spec.captured  # the windows' speculative steps were replays
 
 
+def test_captured_steps_are_used_while_their_history_stays_small():
+    spec = parse_speculative_config(NGRAM)
+    assert spec_window.SpecGraphs.fits(256, 8192, spec) and spec_window.SpecGraphs.fits(512, 32768, spec)
+    assert not spec_window.SpecGraphs.fits(256, 200_000, spec)  # 400 MB of history: eager windows instead
+
+
 @pytest.fixture(scope="module")
 def reference_frequencies():
     return _frequencies(_tiny(4, max_num_seqs=128), TINY_PROMPTS[0])

@@ -250,6 +250,11 @@ class SpecGraph(StaticState):
         return [x[:rows] for x in self.outputs]
 
 
+# The captured steps' shared history is [largest bucket, max_model_len + K + 2] int64, allocated after the
+# KV cache was sized: above this many bytes (long contexts at many rows) speculative windows run eagerly.
+MAX_HISTORY_BYTES = 256 << 20
+
+
 class SpecGraphs:
     """The captured n-gram speculative steps of one runner's decode graphs (`DecodeGraphs`: its pool and
     capture setting), one per batch bucket up to `max_rows` and sampling kind, sharing one history."""
@@ -257,10 +262,19 @@ class SpecGraphs:
     def __init__(self, graphs, spec, max_rows: int):
         steps = graphs.steps
         self.graphs, self.spec = graphs, spec
-        self.max_bucket = next((b for b in BUCKETS if b >= max_rows), BUCKETS[-1])
+        self.max_bucket = self.largest_bucket(max_rows)
         self.history = torch.zeros(self.max_bucket, steps.max_model_len + spec.num_speculative_tokens + 2,
                                    dtype=torch.int64, device=steps.device)
         self.captured: dict[tuple[int, bool, bool], SpecGraph] = {}
+
+    @staticmethod
+    def largest_bucket(max_rows: int) -> int:
+        return next((b for b in BUCKETS if b >= max_rows), BUCKETS[-1])
+
+    @classmethod
+    def fits(cls, max_rows: int, max_model_len: int, spec) -> bool:
+        """Whether the shared history stays within MAX_HISTORY_BYTES."""
+        return cls.largest_bucket(max_rows) * (max_model_len + spec.num_speculative_tokens + 2) * 8 <= MAX_HISTORY_BYTES
 
     def usable(self, state: DecodeState) -> bool:
         t = state.sampling
