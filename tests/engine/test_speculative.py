@@ -20,6 +20,7 @@ from lockstep_engine.runner.host_stream import HostRing
 from lockstep_engine.sampler import SamplingTensors
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
+from lockstep_engine.spec_decode.draft import DraftModel
 from lockstep_engine.spec_decode.rejection import verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -198,13 +199,18 @@ GRAPH_DEVICES = ["cpu-cuda-paths"] + (["cuda"] if torch.cuda.is_available() else
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
 @pytest.mark.parametrize("steps", [1, 8])
-def test_captured_ngram_steps_give_the_eager_windows_tokens_and_counts(device, steps):
-    """A window of captured n-gram steps (every row verifies K + 1 positions, its outputs stream through the
-    host ring) gives the eager window's tokens, finishes and draft counters: greedy, seeded sampling with
-    and without top-p, stop tokens and max_tokens inside accepted drafts."""
+@pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT, UNRELATED_DRAFT], ids=["ngram", "self-draft", "unrelated-draft"])
+def test_captured_steps_give_the_eager_windows_tokens_and_counts(device, steps, spec, monkeypatch):
+    """A window of captured speculative steps (n-gram: every row verifies K + 1 positions; a draft model:
+    its K forwards inside the graph), its outputs streamed through the host ring, gives the eager window's
+    tokens, finishes and draft counters: greedy, seeded sampling with and without top-p, stop tokens and
+    max_tokens inside accepted drafts."""
+    if device == "cpu-cuda-paths":  # the draft's CPU backend stands in for a capturable one
+        monkeypatch.setattr(DraftModel, "graph_safe", property(lambda self: True))
+
     def make(**kwargs) -> LLM:
         return LLM("random:tiny", num_scheduler_steps=steps, device=device.removesuffix("-cuda-paths"), dtype="float32",
-                   num_gpu_blocks_override=256, speculative_config=NGRAM, **kwargs)
+                   num_gpu_blocks_override=256, speculative_config=spec, **kwargs)
 
     prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS] * 2
     free = _token_ids(make(enforce_eager=True).generate(

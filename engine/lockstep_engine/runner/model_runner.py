@@ -257,13 +257,17 @@ class ModelRunner:
         return self._drafts[key]
 
     def spec_graphs(self, spec) -> SpecGraphs | None:
-        """The captured n-gram speculative steps of the current decode graphs (None: eager: a draft model, or a
-        history too large for long contexts at many rows, `spec_window.MAX_HISTORY_BYTES`)."""
-        if (self.graphs is None or spec is None or not spec.is_ngram
+        """The captured speculative steps of the current decode graphs (None: eager: a draft model whose
+        attention backend cannot be captured, or a history too large for long contexts at many rows,
+        `spec_window.MAX_HISTORY_BYTES`)."""
+        if (self.graphs is None or spec is None
                 or not SpecGraphs.fits(self.config.max_num_seqs, self.config.max_model_len, spec)):
             return None
+        draft = self.draft_model(spec)
+        if draft is not None and not draft.graph_safe:
+            return None
         if self.graphs.spec is None or self.graphs.spec.spec != spec:
-            self.graphs.spec = SpecGraphs(self.graphs, spec, self.config.max_num_seqs)
+            self.graphs.spec = SpecGraphs(self.graphs, spec, draft, self.config.max_num_seqs)
         return self.graphs.spec
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -15,13 +15,13 @@ A step's tokens reach the host at once, as one output per token position (a row 
 than another gets -1 in the later ones), so the engine core, streaming, stop strings and usage see
 tokens one at a time as without speculation.
 
-On CUDA an n-gram window's speculative steps run as replays of a captured graph per batch bucket
-(`SpecGraph`: the proposal over a static history of max_model_len tokens per row, the verify forward
-over K + 1 positions for every row, acceptance and advance), their outputs copied to the host as each
-step's copy lands, so the host does not stop the device between steps. Rows without a match verify
-K + 1 positions there too (a decode forward reads the weights once whatever its few positions). Windows
-with a draft model, logprobs, logit bias or bad words run eagerly, and a row without a match then
-verifies its own position only. Speculative windows are synchronous (no overlap tail into the next
+On CUDA a window's speculative steps run as replays of a captured graph per batch bucket (`SpecGraph`:
+the proposal, n-gram lookup over a static history of max_model_len tokens per row or the draft model's
+K forwards, the verify forward over K + 1 positions for every row, acceptance and advance), their
+outputs copied to the host as each step's copy lands, so the host does not stop the device between
+steps. Rows without an n-gram match verify K + 1 positions there too (a decode forward reads the
+weights once whatever its few positions). Windows with logprobs, logit bias or bad words run eagerly,
+and a row without a match then verifies its own position only. Speculative windows are synchronous (no overlap tail into the next
 window).
 """
 
@@ -208,12 +208,13 @@ class SpecWindow:
 
 
 class SpecGraph(StaticState):
-    """An n-gram speculative step of one batch bucket, captured: the window's decode state, a history of
+    """A speculative step of one batch bucket, captured: the window's decode state, a history of
     max_model_len + K + 2 tokens per row (a view of the `SpecGraphs`' shared buffer), the step's outputs
-    and the window's tally, all static."""
+    and the window's tally, all static. With a draft model its K forwards (over its own KV cache) are
+    part of the graph."""
 
-    def __init__(self, steps: Steps, spec, bucket: int, greedy: bool, filtered: bool, pool, capture_graph: bool,
-                 history: torch.Tensor):
+    def __init__(self, steps: Steps, spec, draft, bucket: int, greedy: bool, filtered: bool, pool,
+                 capture_graph: bool, history: torch.Tensor):
         super().__init__(steps, bucket, greedy, filtered)
         k = spec.num_speculative_tokens
         i64 = dict(dtype=torch.int64, device=steps.device)
@@ -224,7 +225,7 @@ class SpecGraph(StaticState):
 
         def body():
             state = self.state()
-            results = speculate(steps, spec, None, state, self.history, layout, self.tally, steps.max_model_len,
+            results = speculate(steps, spec, draft, state, self.history, layout, self.tally, steps.max_model_len,
                                 ragged=False)
             self.store(state)
             for buffer, value in zip(self.outputs, results):
@@ -256,12 +257,13 @@ MAX_HISTORY_BYTES = 256 << 20
 
 
 class SpecGraphs:
-    """The captured n-gram speculative steps of one runner's decode graphs (`DecodeGraphs`: its pool and
-    capture setting), one per batch bucket up to `max_rows` and sampling kind, sharing one history."""
+    """The captured speculative steps of one runner's decode graphs (`DecodeGraphs`: its pool and capture
+    setting) for one speculative config and its draft model (None: n-gram), one per batch bucket up to
+    `max_rows` and sampling kind, sharing one history."""
 
-    def __init__(self, graphs, spec, max_rows: int):
+    def __init__(self, graphs, spec, draft, max_rows: int):
         steps = graphs.steps
-        self.graphs, self.spec = graphs, spec
+        self.graphs, self.spec, self.draft = graphs, spec, draft
         self.max_bucket = self.largest_bucket(max_rows)
         self.history = torch.zeros(self.max_bucket, steps.max_model_len + spec.num_speculative_tokens + 2,
                                    dtype=torch.int64, device=steps.device)
@@ -286,8 +288,8 @@ class SpecGraphs:
         bucket = next(b for b in BUCKETS if b >= rows)
         key = (bucket, greedy, filtered)
         if key not in self.captured:
-            self.captured[key] = SpecGraph(self.graphs.steps, self.spec, bucket, greedy, filtered, self.graphs.pool,
-                                           self.graphs.capture, self.history)
+            self.captured[key] = SpecGraph(self.graphs.steps, self.spec, self.draft, bucket, greedy, filtered,
+                                           self.graphs.pool, self.graphs.capture, self.history)
         return self.captured[key]
 
     def begin(self, state: DecodeState, seqs: list) -> SpecGraph:
@@ -340,7 +342,8 @@ def run_speculative(steps: Steps, plan: WindowPlan, draft, clock, on_step: Calla
                     continuing: bool, should_cut: Callable[[], bool] | None, started: float,
                     graphs: SpecGraphs | None = None, ring: HostRing | None = None) -> WindowTimings:
     """Runs a speculative window (see the module docstring); `draft` is the draft model or None (n-gram);
-    `graphs`: the runner's captured n-gram steps (None: eager), whose outputs go through `ring`."""
+    `graphs`: the runner's captured steps for this config and draft (None: eager), whose outputs go
+    through `ring`."""
     timings = WindowTimings()
     first = steps.first_step(plan.rows)
     rows_n = len(first.sampling_rows)
@@ -367,7 +370,7 @@ def run_speculative(steps: Steps, plan: WindowPlan, draft, clock, on_step: Calla
         clock.end()
         _emit_first(state, out, on_step, timings)
     seqs = [row.seq for row in first.sampling_rows]
-    if graphs is not None and draft is None and plan.num_steps > done_steps and graphs.usable(state):
+    if graphs is not None and plan.num_steps > done_steps and graphs.usable(state):
         _replay_speculative(graphs.begin(state, seqs), rows_n, done_steps, plan.num_steps, clock, on_step,
                             should_cut, ring, timings)
         timings.steps = clock.harvest()

@@ -62,6 +62,11 @@ class DraftModel:
             attn.v_cache = torch.zeros_like(attn.k_cache)
         log(f"draft model KV cache: {num_blocks} blocks ({num_blocks * self.kv_bytes_per_block() / 2**30:.2f} GiB)")
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether its forwards can be captured in a CUDA graph (its attention backend's say)."""
+        return getattr(self.model.attention_layers()[0].backend, "graph_safe", False)
+
     def attention_layers(self):
         return self.model.attention_layers()
 
