@@ -288,6 +288,19 @@ def test_captured_steps_of_a_window_cut_mid_way_keep_the_tokens(device):
     assert core.executor.runner.graphs.spec.captured  # the windows' speculative steps were replays
 
 
+def test_a_failed_capture_leaves_the_windows_eager_and_the_tokens_exact(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(spec_window.SpecGraph, "__init__", refuse)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    llm = _captured(_tiny(8, NGRAM), "cpu-cuda-paths")
+    assert _token_ids(llm.generate(prompts, params)) == _token_ids(_tiny(8).generate(prompts, params))
+    spec_graphs = llm.engine.core.executor.runner.graphs.spec
+    assert "not permitted" in spec_graphs.failed and not spec_graphs.captured
+
+
 def test_captured_steps_are_used_while_their_history_stays_small():
     spec = parse_speculative_config(NGRAM)
     assert spec_window.SpecGraphs.fits(256, 8192, spec) and spec_window.SpecGraphs.fits(512, 32768, spec)

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from lockstep_engine.log import log
 from lockstep_engine.runner.cuda_graphs import BUCKETS, MAX_STOP_IDS, StaticState, capture
 from lockstep_engine.runner.host_stream import HostRing
 from lockstep_engine.runner.outputs import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SpecCounts, StepOutput, StepTag,
@@ -268,6 +269,7 @@ class SpecGraphs:
         self.history = torch.zeros(self.max_bucket, steps.max_model_len + spec.num_speculative_tokens + 2,
                                    dtype=torch.int64, device=steps.device)
         self.captured: dict[tuple[int, bool, bool], SpecGraph] = {}
+        self.failed: str | None = None  # why a capture failed: the config's windows then run eagerly
 
     @staticmethod
     def largest_bucket(max_rows: int) -> int:
@@ -280,7 +282,7 @@ class SpecGraphs:
 
     def usable(self, state: DecodeState) -> bool:
         t = state.sampling
-        return (state.counts is None and t.num_logprobs < 0 and t.logit_bias is None and t.bad_last is None
+        return (self.failed is None and state.counts is None and t.num_logprobs < 0 and t.logit_bias is None and t.bad_last is None
                 and t.stop_ids.shape[1] <= MAX_STOP_IDS and state.lora_slots is None
                 and state.tokens.shape[0] <= self.max_bucket)
 
@@ -292,8 +294,16 @@ class SpecGraphs:
                                            self.graphs.pool, self.graphs.capture, self.history)
         return self.captured[key]
 
-    def begin(self, state: DecodeState, seqs: list) -> SpecGraph:
-        graph = self.graph(len(seqs), state.sampling.all_greedy, state.sampling.any_filter)
+    def begin(self, state: DecodeState, seqs: list) -> SpecGraph | None:
+        """The bucket's graph loaded with the window's rows; None when its capture failed (logged once; this
+        config's windows run eagerly from then on, as they would without graphs)."""
+        try:
+            graph = self.graph(len(seqs), state.sampling.all_greedy, state.sampling.any_filter)
+        except RuntimeError as error:
+            self.failed = f"{type(error).__name__}: {error}"
+            log(f"speculative steps could not be captured as a CUDA graph ({self.failed[:300]}): "
+                f"speculative windows run eagerly")
+            return None
         graph.begin(state, seqs)
         return graph
 
@@ -370,9 +380,10 @@ def run_speculative(steps: Steps, plan: WindowPlan, draft, clock, on_step: Calla
         clock.end()
         _emit_first(state, out, on_step, timings)
     seqs = [row.seq for row in first.sampling_rows]
-    if graphs is not None and plan.num_steps > done_steps and graphs.usable(state):
-        _replay_speculative(graphs.begin(state, seqs), rows_n, done_steps, plan.num_steps, clock, on_step,
-                            should_cut, ring, timings)
+    graph = graphs.begin(state, seqs) if graphs is not None and plan.num_steps > done_steps and graphs.usable(
+        state) else None
+    if graph is not None:
+        _replay_speculative(graph, rows_n, done_steps, plan.num_steps, clock, on_step, should_cut, ring, timings)
         timings.steps = clock.harvest()
         return timings
     window = SpecWindow(steps, plan, draft, on_step, timings)
