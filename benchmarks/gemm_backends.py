@@ -20,6 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from decode_profile import copy_bandwidth  # benchmarks/ is on sys.path when run as a script
+
 OUT = os.environ.get("OUT", ".bench")
 # name: (in features, out features) of random:llama-3-8b, q/k/v and gate/up fused as the engine loads them
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
@@ -29,21 +31,6 @@ LAYER_COUNTS = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 
 def log(message: str) -> None:
     print(f"[gemm_backends] {message}", file=sys.stderr, flush=True)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    if device.type != "cuda":
-        return 50e9
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (time.perf_counter() - started)
 
 
 def time_linear(x: torch.Tensor, w: torch.Tensor, repeats: int) -> float:
@@ -88,7 +75,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(device.type)
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     weights = {name: torch.randn(SHAPES[name][1], SHAPES[name][0], dtype=dtype, device=device) * 0.02
                for name in args.shapes}

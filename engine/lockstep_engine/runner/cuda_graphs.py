@@ -23,6 +23,11 @@ _STATE_FIELDS = ("tokens", "positions", "done", "steps_done", "max_steps", "budg
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "min_tokens")
 
 
+def bucket_of(rows: int) -> int:
+    """The smallest graph batch bucket that holds `rows` rows (at most BUCKETS[-1])."""
+    return next(b for b in BUCKETS if b >= rows)
+
+
 class _Eager:
     """Stands in for a captured graph: `replay()` runs the step's operations directly on the static
     buffers (`DecodeGraphs(capture=False)`; how the CPU tests check the buffer handling)."""
@@ -147,7 +152,7 @@ class DecodeGraphs:
                 and state.tokens.shape[0] <= BUCKETS[-1])
 
     def _graph(self, rows: int, t: SamplingTensors, lora: bool = False) -> _Graph:
-        bucket = next(b for b in BUCKETS if b >= rows)
+        bucket = bucket_of(rows)
         key = (bucket, t.all_greedy, t.any_filter, lora)
         if key not in self.graphs:
             self.graphs[key] = _Graph(self.steps, bucket, t.all_greedy, t.any_filter, self.pool, self.capture, lora)

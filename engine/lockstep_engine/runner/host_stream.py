@@ -67,6 +67,38 @@ class HostRing:
         self._free.append(slot)
 
 
+class CopyQueue:
+    """Step outputs copied into slots of a `HostRing` behind the work that makes them, handed in order to
+    `deliver(key, values)` (`values`: the tensors as host lists) once each copy landed."""
+
+    def __init__(self, ring: HostRing, deliver: Callable[[object, list], None]):
+        self.ring, self.deliver = ring, deliver
+        self.pending: deque[tuple[object, HostSlot]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def push(self, key, tensors: list[torch.Tensor], keep: int = 0) -> None:
+        """Queues the copy of `tensors`, then delivers the landed copies at the front until `keep` are left."""
+        slot = self.ring.acquire()
+        slot.copy_from(tensors, self.ring.allocate)
+        self.pending.append((key, slot))
+        while len(self.pending) > keep and self.pending[0][1].event.query():
+            self._deliver(*self.pending.popleft())
+
+    def drain(self, keep: int = 0) -> None:
+        """Delivers the pending copies, waiting for each, until `keep` are left."""
+        while len(self.pending) > keep:
+            key, slot = self.pending.popleft()
+            slot.event.synchronize()
+            self._deliver(key, slot)
+
+    def _deliver(self, key, slot: HostSlot) -> None:
+        values = slot.values()
+        self.ring.release(slot)
+        self.deliver(key, values)
+
+
 class StepStream:
     """Hands each step's tokens to the host callback: at once (sync) or as its async copy into a slot of
     the runner's `HostRing` lands.
@@ -81,7 +113,7 @@ class StepStream:
         self.timings = timings
         self.ring = ring
         self.hold_last = hold_last
-        self.pending: deque[tuple[int, HostSlot, bool]] = deque()
+        self.copies = CopyQueue(ring, lambda key, values: self._deliver(key[0], values, key[1])) if ring else None
         self._held: tuple[int, list, bool] | None = None
         self.last_tokens: list[int] = []
 
@@ -101,35 +133,23 @@ class StepStream:
             else:
                 self._deliver(step, values, packed)
             return
-        slot = self.ring.acquire()
-        slot.copy_from(tensors, self.ring.allocate)
-        self.pending.append((step, slot, packed))
-        keep = 1 if self.hold_last else 0
-        while len(self.pending) > keep and self.pending[0][1].event.query():
-            self._deliver_slot(*self.pending.popleft())
+        self.copies.push((step, packed), tensors, keep=1 if self.hold_last else 0)
 
     def drain(self, keep: int = 0) -> None:
         """Delivers the steps whose copies are pending, waiting for each, until `keep` are left."""
-        while len(self.pending) > keep:
-            step, slot, packed = self.pending.popleft()
-            slot.event.synchronize()
-            self._deliver_slot(step, slot, packed)
+        if self.copies is not None:
+            self.copies.drain(keep)
         if keep == 0:
             self._deliver_held()
 
     @property
     def has_undelivered(self) -> bool:
-        return bool(self.pending) or self._held is not None
+        return (self.copies is not None and len(self.copies) > 0) or self._held is not None
 
     def _deliver_held(self) -> None:
         if self._held is not None:
             held, self._held = self._held, None
             self._deliver(*held)
-
-    def _deliver_slot(self, step: int, slot: HostSlot, packed: bool) -> None:
-        values = slot.values()
-        self.ring.release(slot)
-        self._deliver(step, values, packed)
 
     def _deliver(self, step: int, values: list, packed: bool) -> None:
         tokens, finish = values[0] if packed else (values[0], None)

@@ -21,21 +21,20 @@ K forwards, the verify forward over K + 1 positions for every row, acceptance an
 outputs copied to the host as each step's copy lands, so the host does not stop the device between
 steps. Rows without an n-gram match verify K + 1 positions there too (a decode forward reads the
 weights once whatever its few positions). Windows with logprobs, logit bias or bad words run eagerly,
-and a row without a match then verifies its own position only. Speculative windows are synchronous (no overlap tail into the next
-window).
+and a row without a match then verifies its own position only. Speculative windows are synchronous
+(no overlap tail into the next window).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Callable
 
 import torch
 
 from lockstep_engine.log import log
-from lockstep_engine.runner.cuda_graphs import BUCKETS, MAX_STOP_IDS, StaticState, capture
-from lockstep_engine.runner.host_stream import HostRing
+from lockstep_engine.runner.cuda_graphs import BUCKETS, MAX_STOP_IDS, StaticState, bucket_of, capture
+from lockstep_engine.runner.host_stream import CopyQueue, HostRing
 from lockstep_engine.runner.outputs import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SpecCounts, StepOutput, StepTag,
                                            WindowTimings)
 from lockstep_engine.runner.step_inputs import pad_rows
@@ -156,6 +155,13 @@ def _advance(state: DecodeState, history: torch.Tensor, tokens: torch.Tensor,
     return count, finish
 
 
+def load_history(history: torch.Tensor, known: torch.Tensor, state: DecodeState) -> None:
+    """The proposers' history of a window's rows: their tokens so far (`known`, [rows, L] on the host, padded),
+    the last one `state.tokens` at `state.positions`, into `history` [rows, >= L] (zeros past them)."""
+    history[:, :known.shape[1]].copy_(known)
+    history.scatter_(1, state.positions.unsqueeze(1), state.tokens.unsqueeze(1))
+
+
 def emit_positions(on_step: Callable[[StepOutput], None], timings: WindowTimings, number: int, tokens: list,
                    count: list, finish: list, logprobs: list | None = None) -> None:
     """One host output per token position that some row took (host lists of one step: tokens
@@ -186,12 +192,10 @@ class SpecWindow:
         self.state, self.max_dec_len = state, max_dec_len
         steps = self.steps
         self.layout = QueryLayout(state.table, steps.block_size, steps.sink_slot, steps.max_model_len)
-        known = pad_rows([seq.token_ids for seq in seqs], 0)
+        known = torch.from_numpy(pad_rows([seq.token_ids for seq in seqs], 0))
         width = known.shape[1] + 2 + int(state.max_steps.max()) + self.k  # room for every token the window takes
-        history = torch.zeros(len(seqs), width, dtype=torch.int64)
-        history[:, :known.shape[1]] = torch.from_numpy(known)
-        self.history = history.to(steps.device)
-        self.history.scatter_(1, state.positions.unsqueeze(1), state.tokens.unsqueeze(1))
+        self.history = torch.zeros(len(seqs), width, dtype=torch.int64, device=steps.device)
+        load_history(self.history, known, state)
 
     def step(self, number: int) -> None:
         """Speculative step `number` of the window (1-based); its tokens go to the host."""
@@ -242,10 +246,8 @@ class SpecGraph(StaticState):
         """Loads a window's rows: their decode state and their tokens as the history."""
         self.load(state)
         self.tally.values.zero_()
-        known = torch.from_numpy(pad_rows([seq.token_ids for seq in seqs], 0))
         self.history.zero_()
-        self.history[:len(seqs), :known.shape[1]].copy_(known)
-        self.history[:len(seqs)].scatter_(1, state.positions.unsqueeze(1), state.tokens.unsqueeze(1))
+        load_history(self.history[:len(seqs)], torch.from_numpy(pad_rows([seq.token_ids for seq in seqs], 0)), state)
 
     def step_outputs(self, rows: int) -> list[torch.Tensor]:
         """The last replayed step's tokens [rows, K + 1], counts and finish codes [rows]."""
@@ -273,7 +275,7 @@ class SpecGraphs:
 
     @staticmethod
     def largest_bucket(max_rows: int) -> int:
-        return next((b for b in BUCKETS if b >= max_rows), BUCKETS[-1])
+        return bucket_of(min(max_rows, BUCKETS[-1]))
 
     @classmethod
     def fits(cls, max_rows: int, max_model_len: int, spec) -> bool:
@@ -282,12 +284,12 @@ class SpecGraphs:
 
     def usable(self, state: DecodeState) -> bool:
         t = state.sampling
-        return (self.failed is None and state.counts is None and t.num_logprobs < 0 and t.logit_bias is None and t.bad_last is None
-                and t.stop_ids.shape[1] <= MAX_STOP_IDS and state.lora_slots is None
+        return (self.failed is None and state.counts is None and t.num_logprobs < 0 and t.logit_bias is None
+                and t.bad_last is None and t.stop_ids.shape[1] <= MAX_STOP_IDS and state.lora_slots is None
                 and state.tokens.shape[0] <= self.max_bucket)
 
     def graph(self, rows: int, greedy: bool, filtered: bool) -> SpecGraph:
-        bucket = next(b for b in BUCKETS if b >= rows)
+        bucket = bucket_of(rows)
         key = (bucket, greedy, filtered)
         if key not in self.captured:
             self.captured[key] = SpecGraph(self.graphs.steps, self.spec, self.draft, bucket, greedy, filtered,
@@ -306,37 +308,6 @@ class SpecGraphs:
             return None
         graph.begin(state, seqs)
         return graph
-
-
-class SpecStream:
-    """A captured window's step outputs to the host: each step's copy into a slot of the runner's
-    `HostRing` is queued behind its replay and handed over (`emit_positions`) once it landed; without a
-    ring (the CPU) at once."""
-
-    def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings, ring: HostRing | None):
-        self.on_step, self.timings, self.ring = on_step, timings, ring
-        self.pending: deque = deque()
-
-    def push(self, number: int, tensors: list[torch.Tensor]) -> None:
-        if self.ring is None:
-            emit_positions(self.on_step, self.timings, number, *[x.tolist() for x in tensors])
-            return
-        slot = self.ring.acquire()
-        slot.copy_from(tensors, self.ring.allocate)
-        self.pending.append((number, slot))
-        while self.pending and self.pending[0][1].event.query():
-            self._deliver(*self.pending.popleft())
-
-    def drain(self, keep: int = 0) -> None:
-        while len(self.pending) > keep:
-            number, slot = self.pending.popleft()
-            slot.event.synchronize()
-            self._deliver(number, slot)
-
-    def _deliver(self, number: int, slot) -> None:
-        values = slot.values()
-        self.ring.release(slot)
-        emit_positions(self.on_step, self.timings, number, *values)
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> list:
@@ -405,18 +376,26 @@ def _replay_speculative(graph: SpecGraph, rows_n: int, done_steps: int, num_step
                         ring: HostRing | None, timings: WindowTimings) -> None:
     """The window's speculative steps as replays of `graph`; each step's tokens reach the host as its copy
     lands while the device runs the next. A cut is decided with one step in flight, as in plain windows."""
-    stream = SpecStream(on_step, timings, ring)
+    def emit(number: int, values: list) -> None:
+        emit_positions(on_step, timings, number, *values)
+
+    copies = CopyQueue(ring, emit) if ring is not None else None
     for number in range(done_steps + 1, num_steps + 1):
         if number > 1 and should_cut is not None:
-            stream.drain(keep=1)
+            if copies is not None:
+                copies.drain(keep=1)
             if should_cut():
                 break
         clock.start(StepTag(number, "decode", rows_n))
         graph.graph.replay()
         clock.end()
         timings.num_steps = number
-        stream.push(number, graph.step_outputs(rows_n))
-    stream.drain()
+        if copies is None:  # the CPU: the step's outputs are on the host at once
+            emit(number, [x.tolist() for x in graph.step_outputs(rows_n)])
+        else:
+            copies.push(number, graph.step_outputs(rows_n))
+    if copies is not None:
+        copies.drain()
     timings.spec = graph.tally.counts()
 
 
