@@ -24,7 +24,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from decode_profile import copy_bandwidth, group_times, sync
+from decode_profile import copy_bandwidth, group_of, group_times, sync
 from lockstep_engine.attention import AttentionMetadata
 from lockstep_engine.llm import LLM
 
@@ -101,8 +101,12 @@ def profile_step(model, inputs: dict, device: str, repeats: int) -> tuple[dict[s
             run()
         sync(device)
     times = group_times(prof, device, repeats)
+    others = sorted(((e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / repeats, e.key)
+                    for e in prof.key_averages() if group_of(e.key) == "other" and not e.key.startswith("aten::"))
+    times_others = {key: us for us, key in others[::-1][:8] if us > 0}
     sort_key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    return times, prof.key_averages().table(sort_by=sort_key, row_limit=25, max_name_column_width=90)
+    table = prof.key_averages().table(sort_by=sort_key, row_limit=25, max_name_column_width=90)
+    return times, times_others, table
 
 
 def main() -> int:
@@ -136,12 +140,14 @@ def main() -> int:
     with torch.inference_mode():
         for name, rows in steps.items():
             inputs = step_inputs(rows, runner.block_size, mc.vocab_size, runner.device)
-            times, table = profile_step(model, inputs, args.device, args.repeats)
+            times, others, table = profile_step(model, inputs, args.device, args.repeats)
             limits = bounds(mc, rows, element, bandwidth, args.matmul_tflops * 1e12)
             results[name] = {"times_us": times, "bounds_us": {k: v for k, v in limits.items() if not k.startswith("_")},
-                             "gemm_flops": limits["_gemm_flops"], "attention_flops": limits["_attention_flops"]}
+                             "gemm_flops": limits["_gemm_flops"], "attention_flops": limits["_attention_flops"],
+                             "other_kernels_us": others}
             texts.append(f"== {name}: {sum(times.values()) / 1e3:.3f} ms\n{table}")
-            log(f"{name}: {sum(times.values()) / 1e3:.3f} ms")
+            log(f"{name}: {sum(times.values()) / 1e3:.3f} ms; largest 'other' kernels (us): "
+                + ", ".join(f"{key[:60]} {us:.0f}" for key, us in others.items()))
     with open(os.path.join(OUT, "prefill_profile.txt"), "w") as handle:
         handle.write("\n\n".join(texts))
     with open(os.path.join(OUT, "prefill_profile.json"), "w") as handle:
