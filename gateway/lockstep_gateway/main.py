@@ -8,7 +8,7 @@ import os
 import sys
 
 from lockstep_common.argparsing import ArgumentParser, port_number
-from lockstep_common.header_limits import HeaderLimits, headers_size
+from lockstep_common.header_limits import HttptoolsHeaderLimits
 from lockstep_common import logs
 from lockstep_common.sockets import bind_sockets, die_with_parent
 
@@ -205,19 +205,8 @@ def header_timeout_protocol(timeout_s: float):
     the engine has too (lockstep_common.header_limits): uvicorn's own waits for headers for ever and sets no limit."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HeaderTimeoutProtocol(HeaderLimits, HttpToolsProtocol):
+    class HeaderTimeoutProtocol(HttptoolsHeaderLimits, HttpToolsProtocol):
         header_timeout_s = timeout_s  # what the health listener reads (lockstep_common/health_server.py)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self.request_started()  # the next request on a kept-alive connection
-
-        def on_headers_complete(self) -> None:
-            # Headers that arrived complete in one chunk (as they do from the health listener, which only peeked
-            # at them) are measured here, by what the parser took: the request line's target and each header.
-            if not self.headers_complete(headers_size(self.url, self.headers)):
-                raise ValueError("headers over the limit")  # stops the parser: uvicorn calls send_400_response
-            super().on_headers_complete()
 
     return HeaderTimeoutProtocol
 

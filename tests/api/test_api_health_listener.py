@@ -140,10 +140,10 @@ def test_the_listener_answers_as_the_app_and_passes_everything_else_on(server):
     connection.close()
 
     # What the listener does not answer: HEAD (405 from the app, as before), a query string (the app's 400
-    # for a key in it), a malformed request (h11's 400).
+    # for a key in it), a malformed request (the HTTP parser's 400).
     assert parse(raw(server.port, b"HEAD /health HTTP/1.1\r\n" + close))[0] == 405
     assert parse(raw(server.port, b"GET /health?api_key=x HTTP/1.1\r\n" + close))[0] == 400
-    assert parse(raw(server.port, b"GET /health HTTP/1.1\r\n\r\n"))[0] == 400  # no Host
+    assert parse(raw(server.port, b"GET /health HTTP/1.1\r\nHost x\r\n\r\n"))[0] == 400  # a header without a colon
 
     # A probe that arrives in pieces is answered; headers that never end are closed after the header timeout,
     # in the listener (a probe) or in the app (any other request, its deadline carried over).

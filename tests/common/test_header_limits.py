@@ -1,5 +1,6 @@
-"""The HTTP/1.1 front door (lockstep_common/header_limits.py) on both parsers that wear it: the engine's h11 protocol
-and the gateway's httptools protocol answer the same, on a real uvicorn server each."""
+"""The HTTP/1.1 front door (lockstep_common/header_limits.py) on every protocol that wears it: the engine's httptools
+protocol (its default where httptools is installed) and h11 protocol, and the gateway's httptools protocol answer
+the same, on a real uvicorn server each."""
 
 from __future__ import annotations
 
@@ -53,11 +54,21 @@ def _server(protocol):
         thread.join(30)
 
 
-@pytest.fixture(scope="module", params=["engine", "gateway"])
+@pytest.fixture(scope="module", params=["engine-httptools", "engine-h11", "gateway"])
 def port(request):
-    make = engine_protocol if request.param == "engine" else gateway_protocol
-    with _server(make(HEADER_TIMEOUT_S)) as port:
+    if request.param == "gateway":
+        protocol = gateway_protocol(HEADER_TIMEOUT_S)
+    else:
+        protocol = engine_protocol(HEADER_TIMEOUT_S, request.param.removeprefix("engine-"))
+    with _server(protocol) as port:
         yield port
+
+
+def test_the_engine_takes_httptools_when_it_is_installed_and_refuses_an_unknown_parser():
+    assert engine_protocol(HEADER_TIMEOUT_S).__name__ == "HeaderTimeoutHttptoolsProtocol"
+    assert engine_protocol(HEADER_TIMEOUT_S, "h11").__name__ == "HeaderTimeoutH11Protocol"
+    with pytest.raises(ValueError, match="parser: 'spdy' is not one of auto, httptools, h11"):
+        engine_protocol(HEADER_TIMEOUT_S, "spdy")
 
 
 def _exchange(port: int, *chunks: bytes) -> tuple[int, bytes]:

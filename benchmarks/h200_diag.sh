@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Diagnostics for the host-path and device-path issues, on the machine benchmarks/h200_spec.sh set up (its wheels,
+# py-spy and uvloop included, in /tmp/site):
+#
+#   bash benchmarks/h200_diag.sh spy       # random:smollm2-135m served at rate inf (default flags, 6 client
+#       processes) under py-spy (every process and thread, 250 Hz): $OUT/spy_smollm2.txt (raw stacks),
+#       $OUT/spy_summary.txt (benchmarks/spy_summary.py), $OUT/served.json (busy_by_phase, host seconds)
+#   bash benchmarks/h200_diag.sh prefill   # prefill_profile.py at 2048 and 8192 tokens, naming the kernels
+#       outside the known groups (the 8192-token chunk's unexplained time)
+set -u
+OUT=${OUT:-.bench}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export OUT PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+
+case "${1:-}" in
+spy)
+    timeout 240 py-spy record -r 250 --subprocesses --threads --nonblocking --format raw -o "$OUT/spy_smollm2.txt" -- \
+        python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" --client-processes 6 \
+        --budget 200 >"$OUT/spy_served.log" 2>&1
+    echo "== served under py-spy exit $?"; grep -v '^\[' "$OUT/spy_served.log" | tail -4
+    python3 benchmarks/spy_summary.py "$OUT/spy_smollm2.txt" --top 30 >"$OUT/spy_summary.txt" 2>&1
+    python3 - "$OUT/served.json" <<'EOF'
+import json, sys
+for row in json.load(open(sys.argv[1])).get("runs", []):
+    print({k: row.get(k) for k in ("label", "req_per_s", "idle_fraction", "median_boundary_gap_us", "host_s",
+                                   "busy_by_phase", "forwards_by_phase", "windows", "steps", "overlapped_windows")})
+EOF
+    ;;
+prefill)
+    timeout 200 python3 benchmarks/prefill_profile.py --chunks 2048 8192 --repeats 2 >"$OUT/prefill.log" 2>&1
+    echo "== prefill_profile exit $?"; grep -v "^USDT" "$OUT/prefill.log" | tail -16
+    ;;
+*)
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill" >&2
+    exit 2
+    ;;
+esac
