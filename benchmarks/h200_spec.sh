@@ -64,12 +64,12 @@ copy)
     echo "== spec_served exit $?"; grep -v '^\[spec_served\] {' "$OUT/spec.log" | tail -8
     ;;
 batch256)
-    timeout 250 python3 benchmarks/h200_served.py --model random:llama-3-8b --settings "head=" --client-processes 4 \
-        --budget 240 >"$OUT/served_head.log" 2>&1
+    timeout 200 python3 benchmarks/h200_served.py --model random:llama-3-8b --settings "head=" --client-processes 4 \
+        --budget 190 >"$OUT/served_head.log" 2>&1
     echo "== this tree exit $?"; tail -5 "$OUT/served_head.log"; cp "$OUT/served.json" "$OUT/served_head.json"
-    (cd .whl/old && OUT=$OUT/old PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway timeout 250 python3 \
+    (cd .whl/old && OUT=$OUT/old PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway timeout 200 python3 \
         benchmarks/h200_served.py --model random:llama-3-8b --settings "before_spec=" --client-processes 4 \
-        --budget 240 >"$OUT/served_old.log" 2>&1)
+        --budget 190 >"$OUT/served_old.log" 2>&1)
     echo "== before speculation exit $?"; tail -5 "$OUT/served_old.log"
     ;;
 *)
