@@ -100,6 +100,8 @@ class TorchPagedAttention(PagedAttention):
         for index, seq_len in enumerate(lens):
             start, end = starts[index], starts[index + 1]
             q_len = end - start
+            if q_len == 0:  # a padding sequence (runner/prefill_graphs.py)
+                continue
             table = meta.block_tables[index]
             keys = self._gather(k_cache, table, seq_len).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             values = self._gather(v_cache, table, seq_len).transpose(0, 1)

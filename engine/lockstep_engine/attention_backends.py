@@ -32,7 +32,8 @@ class PhaseAttention(PagedAttention):
     def __init__(self, decode, prefill):
         self.decode, self.prefill = decode, prefill
         self.name = f"{decode.name}+{prefill.name}"
-        self.graph_safe = getattr(decode, "graph_safe", False)  # graphs hold decode steps only
+        self.graph_safe = getattr(decode, "graph_safe", False)  # decode graphs hold decode steps only
+        self.prefill_graph_safe = getattr(prefill, "prefill_graph_safe", False)
         self.write_kv = decode.write_kv
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -227,6 +227,9 @@ class EngineConfig:
     pipeline_layer_partition: tuple[int, ...] | None = None
     attention_backend: Literal["auto", "triton", "flash-attn", "torch"] = "auto"  # ATTENTION_BACKENDS
     enforce_eager: bool = False
+    # A window's first step when it carries prompt tokens, as CUDA graph replays over token buckets
+    # (runner/prefill_graphs.py): auto where the warm-up measures a replay at most half the eager step's time
+    prefill_cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # The server's engine core compiles kernels and captures graphs before it reports ready (`warmup`);
     # True skips that (faster start, slower first requests). The offline `LLM` never warms up.
     skip_warmup: bool = False
@@ -284,6 +287,8 @@ class EngineConfig:
                      "an integer in [1, 64]")
         object.__setattr__(self, "pipeline_layer_partition",
                            parse_layer_partition(self.pipeline_layer_partition, self.pipeline_parallel_size))
+        _require(self.prefill_cuda_graphs in ("auto", "on", "off"), "prefill_cuda_graphs", self.prefill_cuda_graphs,
+                 "one of auto, on, off")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
                  "one of " + ", ".join(ATTENTION_BACKENDS))
         _require(0 <= self.max_logprobs <= 100, "max_logprobs", self.max_logprobs, "an integer in [0, 100]")

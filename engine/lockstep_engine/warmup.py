@@ -130,6 +130,11 @@ def warm_up(core: EngineCore, log: Callable[[str], None]) -> EngineCore:
     runner = core.executor.runner
     phases = _Plan(core, small=runner.device.type != "cuda").phases()
     try:
+        if hasattr(runner, "use_prefill_graphs"):
+            prefill_started = time.monotonic()
+            count = runner.use_prefill_graphs(log)
+            if count:
+                log(f"warm-up: captured {count} prefill graphs in {time.monotonic() - prefill_started:.1f}s")
         for name, batches in phases:
             phase_started = time.monotonic()
             for batch in batches:

@@ -280,6 +280,9 @@ class TritonPagedAttention(PagedAttention):
 
     name = "triton"
     graph_safe = True  # decode launches no host syncs and sizes nothing from device values
+    # prefill too: its grid is an upper bound from the token and sequence counts, its sequences come from the
+    # device (runner/prefill_graphs.py pads both)
+    prefill_graph_safe = True
 
     # decode: the shortest chunk worth a split of its own, and the most splits
     MIN_SPLIT_TOKENS = 64

@@ -28,6 +28,7 @@ from lockstep_engine.runner.pipelined import run_pipelined
 from lockstep_engine.runner.spec_window import SpecGraphs, run_speculative
 from lockstep_engine.runner.step_clock import StepClock
 from lockstep_engine.runner.steps import Steps
+from lockstep_engine.runner.prefill_graphs import PrefillGraphs
 from lockstep_engine.runner.window_state import FirstStep, first_step_phase, has_guided_rows
 from lockstep_engine.scheduler import WindowPlan
 from lockstep_engine.sources import ModelSource
@@ -121,6 +122,7 @@ class ModelRunner:
         self._backends = {self.backend.name: self.backend}
         self._graphs_by_backend: dict[str, DecodeGraphs] = {}
         self.graphs = self._decode_graphs()
+        self.prefill_graphs: PrefillGraphs | None = None  # made by use_prefill_graphs (warm-up), when they win
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The decode graphs of the current attention backend (None where steps run eagerly)."""
@@ -130,6 +132,36 @@ class ModelRunner:
         if self.backend.name not in self._graphs_by_backend:
             self._graphs_by_backend[self.backend.name] = DecodeGraphs(self.steps)
         return self._graphs_by_backend[self.backend.name]
+
+    def prefill_graphs_possible(self) -> bool:
+        """Whether first steps with prompt tokens could be graphed here: CUDA graphs on, one rank (the warm-up
+        decides on this rank alone), no LoRA weights, and an attention backend whose prefill is graph-safe."""
+        return (self.graphs is not None and self.config.prefill_cuda_graphs != "off" and self.lora is None
+                and self.state.tp_size * self.state.pp_size == 1 and getattr(self.backend, "prefill_graph_safe", False))
+
+    def use_prefill_graphs(self, log: Callable[[str], None]) -> int:
+        """Decides (prefill_cuda_graphs "auto": by timing one bucket eagerly and as a replay) and captures
+        every token bucket's graph; returns how many were captured (0: first steps stay eager)."""
+        if not self.prefill_graphs_possible():
+            return 0
+        graphs = PrefillGraphs(self.steps, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                               self.graphs.pool, self.graphs.capture)
+        if self.config.prefill_cuda_graphs == "auto" and self.device.type == "cuda":
+            wins, eager_ms, replay_ms = graphs.launch_bound()
+            log(f"prefill graphs: a probe step takes {eager_ms:.2f} ms eagerly and {replay_ms:.2f} ms as a replay: "
+                + ("used" if wins else "not used (the eager step is device time)"))
+            if not wins:
+                return 0
+        count = graphs.capture_all()
+        self.prefill_graphs = graphs
+        return count
+
+    def _first_forward(self, first: FirstStep):
+        """Step 1's forward: one replay of its token bucket's graph where there is one, else eager."""
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.usable(first):
+            return graphs.forward(first)
+        return self.steps.forward(first.input_ids, first.positions, first.meta)
 
     def use_attention_backend(self, name: str) -> None:
         """Runs the loaded model with another attention backend ("auto": the runner's own), on the same
@@ -144,6 +176,7 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.backend = backend
         self.graphs = self._decode_graphs()
+        self.prefill_graphs = None  # captured with the previous backend: the first steps run eagerly until chosen again
 
     # ---- setup ------------------------------------------------------------------------------
     def _load_weights(self, source: ModelSource) -> None:
@@ -332,7 +365,7 @@ class ModelRunner:
             return self._replay_window(graph, plan.num_steps, sampling_rows, on_step, timings, should_cut, tail,
                                        defer_tail)
         clock.start(StepTag(1, first_step_phase(plan), rows_n))
-        hidden = steps.forward(first.input_ids, first.positions, first.meta)
+        hidden = self._first_forward(first)
         _deliver(tail, timings)
         if first.prompt is not None and hidden is not None:  # before any token of the window
             on_step(StepOutput(1, [], prompt_logprobs=steps.prompt_logprobs(hidden, first)))
