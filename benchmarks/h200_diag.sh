@@ -7,11 +7,22 @@
 #       $OUT/spy_summary.txt (benchmarks/spy_summary.py), $OUT/served.json (busy_by_phase, host seconds)
 #   bash benchmarks/h200_diag.sh prefill   # prefill_profile.py at 2048 and 8192 tokens, naming the kernels
 #       outside the known groups (the 8192-token chunk's unexplained time)
+#   bash benchmarks/h200_diag.sh prefill-graphs   # the prefill-graph, decode-graph and overlap tests on CUDA, then
+#       random:smollm2-135m served at rate inf with --prefill-cuda-graphs auto (the default) and off
 set -u
 OUT=${OUT:-.bench}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export OUT PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+
+runs() {  # the engine's own figures of each served run
+    python3 - "$OUT/served.json" <<'PY'
+import json, sys
+for row in json.load(open(sys.argv[1])).get("runs", []):
+    print({k: row.get(k) for k in ("label", "req_per_s", "idle_fraction", "median_boundary_gap_us", "host_s",
+                                   "busy_by_phase", "forwards_by_phase", "windows", "steps", "overlapped_windows")})
+PY
+}
 
 case "${1:-}" in
 spy)
@@ -20,19 +31,24 @@ spy)
         --budget 200 >"$OUT/spy_served.log" 2>&1
     echo "== served under py-spy exit $?"; grep -v '^\[' "$OUT/spy_served.log" | tail -4
     python3 benchmarks/spy_summary.py "$OUT/spy_smollm2.txt" --top 30 >"$OUT/spy_summary.txt" 2>&1
-    python3 - "$OUT/served.json" <<'EOF'
-import json, sys
-for row in json.load(open(sys.argv[1])).get("runs", []):
-    print({k: row.get(k) for k in ("label", "req_per_s", "idle_fraction", "median_boundary_gap_us", "host_s",
-                                   "busy_by_phase", "forwards_by_phase", "windows", "steps", "overlapped_windows")})
-EOF
+    runs
     ;;
 prefill)
     timeout 200 python3 benchmarks/prefill_profile.py --chunks 2048 8192 --repeats 2 >"$OUT/prefill.log" 2>&1
     echo "== prefill_profile exit $?"; grep -v "^USDT" "$OUT/prefill.log" | tail -16
     ;;
+prefill-graphs)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py \
+        tests/engine/test_decode_graphs.py tests/engine/test_overlap.py >"$OUT/graph_tests.log" 2>&1
+    echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
+    timeout 230 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
+        "eager_prefill=--prefill-cuda-graphs off" --client-processes 6 --budget 220 >"$OUT/pg_served.log" 2>&1
+    echo "== served exit $?"; grep -v '^\[' "$OUT/pg_served.log" | tail -6
+    grep -h "prefill graphs" "$OUT"/server_*.log
+    runs
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs" >&2
     exit 2
     ;;
 esac

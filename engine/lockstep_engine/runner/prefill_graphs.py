@@ -85,9 +85,9 @@ class PrefillGraphs:
 
     def capture_all(self) -> int:
         """Captures every bucket, largest first (the smaller ones reuse its pool memory); returns how many."""
-        self._load_probe(self.buckets[-1])
         for bucket in reversed(self.buckets):
             if bucket not in self.graphs:
+                self._load_probe(bucket)  # sequences within the bucket: the warm-up runs read no token past it
                 self.graphs[bucket] = capture(lambda b=bucket: self._body(b), self.steps.device, self.pool,
                                               self.capture_graphs)
         return len(self.graphs)
