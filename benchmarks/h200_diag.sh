@@ -7,7 +7,7 @@
 #       $OUT/spy_summary.txt (benchmarks/spy_summary.py), $OUT/served.json (busy_by_phase, host seconds)
 #   bash benchmarks/h200_diag.sh prefill   # prefill_profile.py at 2048 and 8192 tokens, naming the kernels
 #       outside the known groups (the 8192-token chunk's unexplained time)
-#   bash benchmarks/h200_diag.sh prefill-graphs   # the prefill-graph, decode-graph and overlap tests on CUDA, then
+#   bash benchmarks/h200_diag.sh prefill-graphs   # the prefill-graph and decode-graph tests on CUDA, then
 #       random:smollm2-135m served at rate inf with --prefill-cuda-graphs auto (the default) and off
 set -u
 OUT=${OUT:-.bench}
@@ -38,8 +38,8 @@ prefill)
     echo "== prefill_profile exit $?"; grep -v "^USDT" "$OUT/prefill.log" | tail -16
     ;;
 prefill-graphs)
-    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py \
-        tests/engine/test_decode_graphs.py tests/engine/test_overlap.py >"$OUT/graph_tests.log" 2>&1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py \
+        tests/engine/test_decode_graphs.py >"$OUT/graph_tests.log" 2>&1
     echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
     timeout 230 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
         "eager_prefill=--prefill-cuda-graphs off" --client-processes 6 --budget 220 >"$OUT/pg_served.log" 2>&1
