@@ -9,6 +9,7 @@
 #       outside the known groups (the 8192-token chunk's unexplained time)
 #   bash benchmarks/h200_diag.sh prefill-graphs   # the prefill-graph and decode-graph tests on CUDA, then
 #       random:smollm2-135m served at rate inf with --prefill-cuda-graphs auto (the default) and off
+#   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and the default only
 set -u
 OUT=${OUT:-.bench}
 mkdir -p "$OUT"
@@ -47,8 +48,17 @@ prefill-graphs)
     grep -h "prefill graphs" "$OUT"/server_*.log
     runs
     ;;
+prefill-graphs-quick)
+    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py >"$OUT/graph_tests.log" 2>&1
+    echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
+    timeout 120 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
+        --client-processes 6 --budget 110 >"$OUT/pg_served.log" 2>&1
+    echo "== served exit $?"; grep -v '^\[' "$OUT/pg_served.log" | tail -4
+    grep -h "prefill graphs" "$OUT"/server_*.log
+    runs
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick" >&2
     exit 2
     ;;
 esac
