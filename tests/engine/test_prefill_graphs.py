@@ -5,6 +5,7 @@ the static buffers, so the padding and loading are checked against eager steps; 
 captured for real with the Triton backend."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def _graphed(llm: LLM, monkeypatch) -> list:
     counts of the steps they ran."""
     runner = llm.engine.executor.runner
     if runner.device.type == "cuda":
-        runner.config = runner.config.__class__(**{**runner.config.__dict__, "prefill_cuda_graphs": "on"})
+        monkeypatch.setattr(runner, "config", replace(runner.config, prefill_cuda_graphs="on"))
         assert runner.use_prefill_graphs(print) == len(runner.prefill_graphs.buckets)
     else:
         config = llm.engine.config
@@ -100,3 +101,32 @@ def test_auto_uses_the_graphs_when_a_replay_is_at_most_half_the_eager_step():
     assert eager_ms > 0 and replay_ms > 0
     assert wins == (replay_ms <= 0.5 * eager_ms)
     assert wins  # a 2-layer model's eager step is kernel launches
+
+
+def test_on_captures_every_bucket_and_a_failed_capture_leaves_the_first_steps_eager(monkeypatch):
+    """`use_prefill_graphs` as the warm-up calls it, on the CPU's emulated graphs: "on" takes every bucket and the
+    tokens stay the eager ones; a capture that raises is logged and the first steps run eagerly."""
+    from lockstep_engine.runner import prefill_graphs
+    from lockstep_engine.runner.cuda_graphs import DecodeGraphs
+
+    prompts, params = _workload(seed=5, count=6)
+    llm = LLM("random:tiny", device="cpu", **COMMON)
+    eager = _tokens(llm, prompts, params)
+    runner = llm.engine.executor.runner
+    runner.graphs = DecodeGraphs(runner.steps, capture=False)
+    monkeypatch.setattr(runner.backend, "prefill_graph_safe", True, raising=False)
+    monkeypatch.setattr(runner, "config", replace(runner.config, prefill_cuda_graphs="on"))
+    logged = []
+    assert runner.use_prefill_graphs(logged.append) == len(token_buckets(320)) and not logged
+    assert _tokens(llm, prompts, params) == eager
+
+    runner.prefill_graphs = None
+
+    def fail(self):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(prefill_graphs.PrefillGraphs, "capture_all", fail)
+    assert runner.use_prefill_graphs(logged.append) == 0 and runner.prefill_graphs is None
+    assert logged == ["prefill graphs: not used, a capture failed: CUDA error: operation not permitted when stream "
+                      "is capturing"]
+    assert _tokens(llm, prompts, params) == eager

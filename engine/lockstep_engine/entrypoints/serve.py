@@ -136,10 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "flash-attn (FlashAttention-4: pip install 'lockstep[flash-attn]'), torch; default "
                              "from VLLM_ATTENTION_BACKEND (TRITON_ATTN, FLASH_ATTN, TORCH_SDPA) when set")
     engine.add_argument("--enforce-eager", action="store_true")
-    engine.add_argument("--prefill-cuda-graphs", choices=["auto", "on", "off"], default="auto",
+    engine.add_argument("--prefill-cuda-graphs", choices=["auto", "on", "off"], default="off",
                         help="run a window's first step, when it carries prompt tokens, as a CUDA graph replay over "
                              "padded token buckets (auto: where the warm-up measures the replay at most half the "
-                             "eager step's time, i.e. small models whose eager step is kernel launches)")
+                             "eager step's time, i.e. small models whose eager step is kernel launches; default off "
+                             "until measured on a GPU)")
     engine.add_argument("--skip-warmup", action="store_true",
                         help="report ready without compiling kernels and capturing graphs first (the first "
                              "requests then pay for them)")

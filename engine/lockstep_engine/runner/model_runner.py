@@ -146,13 +146,17 @@ class ModelRunner:
             return 0
         graphs = PrefillGraphs(self.steps, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                self.graphs.pool, self.graphs.capture)
-        if self.config.prefill_cuda_graphs == "auto" and self.device.type == "cuda":
-            wins, eager_ms, replay_ms = graphs.launch_bound()
-            log(f"prefill graphs: a probe step takes {eager_ms:.2f} ms eagerly and {replay_ms:.2f} ms as a replay: "
-                + ("used" if wins else "not used (the eager step is device time)"))
-            if not wins:
-                return 0
-        count = graphs.capture_all()
+        try:
+            if self.config.prefill_cuda_graphs == "auto" and self.device.type == "cuda":
+                wins, eager_ms, replay_ms = graphs.launch_bound()
+                log(f"prefill graphs: a probe step takes {eager_ms:.2f} ms eagerly and {replay_ms:.2f} ms as a "
+                    "replay: " + ("used" if wins else "not used (the eager step is device time)"))
+                if not wins:
+                    return 0
+            count = graphs.capture_all()
+        except RuntimeError as error:  # a capture that fails leaves the first steps eager, as before
+            log(f"prefill graphs: not used, a capture failed: {error}")
+            return 0
         self.prefill_graphs = graphs
         return count
 
