@@ -56,7 +56,12 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 logits = tp_logits(rank, 2, dist.group.WORLD)
 if rank == 0:
     torch.save(logits, sys.argv[4])
+dist.barrier()  # both ranks done before either tears the group down
 dist.destroy_process_group()
+# gloo's threads can still be joinable in C++ static destructors at interpreter exit ("terminate called without an
+# active exception", seen under load): the result is saved, so leave without them
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
 """
 # 8 query heads and 1 KV head: with 2 ranks the KV head (and B's k and v rows) is replicated.
 TP_CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
