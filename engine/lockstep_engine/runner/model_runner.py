@@ -25,10 +25,10 @@ from lockstep_engine.runner.cuda_graphs import BUCKETS, DecodeGraphs
 from lockstep_engine.runner.host_stream import HostRing, StepStream, WindowTail
 from lockstep_engine.runner.outputs import Guide, GuideFactory, StepOutput, StepTag, WindowTimings
 from lockstep_engine.runner.pipelined import run_pipelined
+from lockstep_engine.runner.prefill_graphs import PrefillGraphs
 from lockstep_engine.runner.spec_window import SpecGraphs, run_speculative
 from lockstep_engine.runner.step_clock import StepClock
 from lockstep_engine.runner.steps import Steps
-from lockstep_engine.runner.prefill_graphs import PrefillGraphs
 from lockstep_engine.runner.window_state import FirstStep, first_step_phase, has_guided_rows
 from lockstep_engine.scheduler import WindowPlan
 from lockstep_engine.sources import ModelSource
