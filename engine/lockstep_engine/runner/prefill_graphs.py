@@ -14,11 +14,12 @@ once per token bucket over static buffers, and such a step is one replay:
   serves any mix of sequences that fits;
 * the hidden states copied into one buffer of the largest bucket's size, read by the eager sampling.
 
-Padding costs device time (up to a bucket step of tokens), so graphs are used only where they win:
-`launch_bound()` times one bucket eagerly and as a replay at warm-up, and the graphs are captured when
-the replay takes at most half of the eager step (a small model; an 8B model's step is device time
-either way). Windows with LoRA adapters among their rows, pipeline stages and the attention
-backends that need host values per step stay eager.
+Padding costs device time (up to a bucket step of tokens), so with `--prefill-cuda-graphs auto` graphs
+are used only where they win: `launch_bound()` times one bucket eagerly and as a replay at warm-up, and
+the graphs are captured when the replay takes at most half of the eager step (a small model; an 8B
+model's step is device time either way). LoRA, more than one rank, and attention backends whose
+prefill needs host values per step stay eager. The flag's default is off until these graphs have run
+on a GPU (so far: the CPU's emulation of their buffers, tests/engine/test_prefill_graphs.py).
 """
 
 from __future__ import annotations
