@@ -8,8 +8,8 @@
 #   bash benchmarks/h200_diag.sh prefill   # prefill_profile.py at 2048 and 8192 tokens, naming the kernels
 #       outside the known groups (the 8192-token chunk's unexplained time)
 #   bash benchmarks/h200_diag.sh prefill-graphs   # the prefill-graph and decode-graph tests on CUDA, then
-#       random:smollm2-135m served at rate inf with --prefill-cuda-graphs auto (the default) and off
-#   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and the default only
+#       random:smollm2-135m served at rate inf with the default (--prefill-cuda-graphs off) and with auto
+#   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and auto only
 set -u
 OUT=${OUT:-.bench}
 mkdir -p "$OUT"
@@ -43,7 +43,7 @@ prefill-graphs)
         tests/engine/test_decode_graphs.py >"$OUT/graph_tests.log" 2>&1
     echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
     timeout 230 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
-        "eager_prefill=--prefill-cuda-graphs off" --client-processes 6 --budget 220 >"$OUT/pg_served.log" 2>&1
+        "prefill_graphs=--prefill-cuda-graphs auto" --client-processes 6 --budget 220 >"$OUT/pg_served.log" 2>&1
     echo "== served exit $?"; grep -v '^\[' "$OUT/pg_served.log" | tail -6
     grep -h "prefill graphs" "$OUT"/server_*.log
     runs
@@ -51,8 +51,8 @@ prefill-graphs)
 prefill-graphs-quick)
     timeout 70 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py >"$OUT/graph_tests.log" 2>&1
     echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
-    timeout 120 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
-        --client-processes 6 --budget 110 >"$OUT/pg_served.log" 2>&1
+    timeout 120 python3 benchmarks/h200_served.py --model random:smollm2-135m \
+        --settings "prefill_graphs=--prefill-cuda-graphs auto" --client-processes 6 --budget 110 >"$OUT/pg_served.log" 2>&1
     echo "== served exit $?"; grep -v '^\[' "$OUT/pg_served.log" | tail -4
     grep -h "prefill graphs" "$OUT"/server_*.log
     runs
