@@ -41,18 +41,37 @@ def log(message: str) -> None:
 
 
 class TunedTriton(TritonPagedAttention):
-    """The Triton backend with its decode tile overridden (block_n keys per tile, warps)."""
+    """The Triton backend with its decode tile overridden (block_n keys per tile, warps, pipeline stages)."""
 
-    def __init__(self, *shape, block_n: int, warps: int, decode_splits=None):
+    def __init__(self, *shape, block_n: int, warps: int, stages: int = 3, decode_splits=None):
         super().__init__(*shape, decode_splits=decode_splits)
-        self.block_n, self.warps = block_n, warps
+        self.block_n, self.warps, self.stages = block_n, warps, stages
 
     def tiles(self, dtype):
-        return super().tiles(dtype) | {"decode_block_n": self.block_n, "decode_warps": self.warps}
+        return super().tiles(dtype) | {"decode_block_n": self.block_n, "decode_warps": self.warps,
+                                       "decode_stages": self.stages}
+
+
+SWEEP = False  # --decode-sweep: the whole grid below instead of the few decode variants
+
+
+def sweep_variants(shape) -> dict:
+    """Every decode tile of block_n x warps x stages, unsplit and at 2 and 4 splits."""
+    out = {"triton": lambda: TritonPagedAttention(*shape, BLOCK)}
+    for block_n in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (2, 3, 4):
+                for splits in (1, 2, 4):
+                    out[f"n{block_n} w{warps} s{stages} x{splits}"] = (
+                        lambda b=block_n, w=warps, st=stages, x=splits:
+                        TunedTriton(*shape, BLOCK, block_n=b, warps=w, stages=st, decode_splits=x))
+    return out
 
 
 def variants(shape, phase: str) -> dict:
     """name -> a backend factory, the default Triton backend first."""
+    if SWEEP:
+        return sweep_variants(shape)
     out = {"triton": lambda: TritonPagedAttention(*shape, BLOCK)}
     if phase == "decode":
         for block_n, warps in ((32, 4), (128, 4), (64, 8)):
@@ -123,7 +142,7 @@ def measure(phase: str, shape, cases: dict, bandwidth: float, flops_per_s: float
                 out = run()  # compiles
                 torch.cuda.synchronize()
                 if phase == "decode":
-                    us = triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3
+                    us = triton.testing.do_bench_cudagraph(run, rep=20 if SWEEP else 50, return_mode="median") * 1e3
                 else:
                     us = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median") * 1e3
             except Exception as error:  # a variant that fails to build or run is reported, not fatal
@@ -157,14 +176,31 @@ def print_table(title: str, results: dict) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+def print_sweep(title: str, results: dict, top: int = 6) -> None:
+    """Per case: the default and the fastest `top` tiles."""
+    print(f"\n{title}: the default and the fastest decode tiles, us measured / bound (ratio)")
+    for case, cells in results.items():
+        timed = sorted((cell["us"], name) for name, cell in cells.items()
+                       if "us" in cell and cell["max_abs_diff"] < 2e-2)  # a wrong tile is no candidate
+        default = cells.get("triton", {})
+        bound = default.get("bound_us", float("nan"))
+        line = [f"default {default.get('us', float('nan')):.1f}"]
+        line += [f"{name} {us:.1f} ({us / bound:.2f}x)" for us, name in timed[:top]]
+        print(f"| {case} (bound {bound:.1f}) | " + " | ".join(line) + " |")
+
+
 def main() -> int:
+    global SWEEP
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--context", type=int, default=330)
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--matmul-tflops", type=float, default=790.0)
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; later variants are skipped past it")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="decode only, every tile of block_n x warps x stages x splits; prints the fastest")
     args = parser.parse_args()
+    SWEEP = args.decode_sweep
     deadline = time.monotonic() + args.budget
     os.makedirs(OUT, exist_ok=True)
     bandwidth = copy_bandwidth("cuda")
@@ -177,14 +213,14 @@ def main() -> int:
     with torch.inference_mode():
         for model, shape in SHAPES.items():
             report[f"{model} decode"] = measure("decode", shape, decode_cases, bandwidth, flops_per_s, deadline)
-            if model == "llama-3-8b":
+            if model == "llama-3-8b" and not SWEEP:
                 report[f"{model} prefill"] = measure("prefill", shape, prefill_cases, bandwidth, flops_per_s,
                                                      deadline)
     with open(os.path.join(OUT, "attention_backends.json"), "w") as handle:
         json.dump(report, handle, indent=1)
     for title, results in report.items():
         if title != "bandwidth_TBps":
-            print_table(title, results)
+            (print_sweep if SWEEP else print_table)(title, results)
     return 0
 
 

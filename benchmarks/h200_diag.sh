@@ -9,6 +9,8 @@
 #       outside the known groups (the 8192-token chunk's unexplained time)
 #   bash benchmarks/h200_diag.sh prefill-graphs   # the prefill-graph and decode-graph tests on CUDA, then
 #       random:smollm2-135m served at rate inf with the default (--prefill-cuda-graphs off) and with auto
+#   bash benchmarks/h200_diag.sh sweep     # attention_backends.py --decode-sweep: every Triton decode tile (block_n x
+#       warps x stages x splits) on both model shapes at 64-256 rows; the default and the fastest per case
 #   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and auto only
 set -u
 OUT=${OUT:-.bench}
@@ -48,6 +50,11 @@ prefill-graphs)
     grep -h "prefill graphs" "$OUT"/server_*.log
     runs
     ;;
+sweep)
+    timeout ${SWEEP_S:-300} python3 benchmarks/attention_backends.py --decode-sweep --budget $(( ${SWEEP_S:-300} - 30 )) \
+        >"$OUT/sweep.log" 2>"$OUT/sweep.err"
+    echo "== decode sweep exit $?"; cat "$OUT/sweep.log"; grep -i "error\|out of time" "$OUT/sweep.err" | head -5
+    ;;
 prefill-graphs-quick)
     timeout 70 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py >"$OUT/graph_tests.log" 2>&1
     echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
@@ -58,7 +65,7 @@ prefill-graphs-quick)
     runs
     ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep" >&2
     exit 2
     ;;
 esac

@@ -309,7 +309,7 @@ class TritonPagedAttention(PagedAttention):
         wide = dtype != torch.float32
         block_n = 64 if wide else 32
         block_m = max(64 if wide else 32, triton.next_power_of_2(self.group))  # rows: tokens x grouped heads
-        return dict(decode_block_n=block_n, decode_warps=4 if wide else 8,
+        return dict(decode_block_n=block_n, decode_warps=4 if wide else 8, decode_stages=3,
                     prefill_block_n=block_n, prefill_block_m=block_m, prefill_block_q=block_m // self.group,
                     prefill_warps=8 if (not wide or (self.head_dim >= 128 and block_m >= 128)) else 4)
 
@@ -385,7 +385,7 @@ class TritonPagedAttention(PagedAttention):
             self.scale * LOG2E, max_len, num_splits,
             NUM_HEADS=self.num_heads, GROUP=self.group, GROUP_PAD=self.group_pad, HEAD_DIM=self.head_dim,
             BLOCK_SIZE=self.block_size, BLOCK_N=cfg["decode_block_n"], SPLIT=split,
-            DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg["decode_warps"], num_stages=3)
+            DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg["decode_warps"], num_stages=cfg["decode_stages"])
         if split:
             _decode_reduce_kernel[(seqs, self.num_heads)](
                 part_acc, part_ml, out, out.stride(0), out.stride(1), num_splits,
