@@ -11,6 +11,9 @@
 #       random:smollm2-135m served at rate inf with the default (--prefill-cuda-graphs off) and with auto
 #   bash benchmarks/h200_diag.sh sweep     # attention_backends.py --decode-sweep: every Triton decode tile (block_n x
 #       warps x stages x splits) on both model shapes at 64-256 rows; the default and the fastest per case
+#   bash benchmarks/h200_diag.sh tiles     # the attention, decode-graph and prefill-graph tests on CUDA,
+#       decode_profile.py for random:llama-3-8b and random:smollm2-135m, random:smollm2-135m served (default)
+#   bash benchmarks/h200_diag.sh served8b  # random:llama-3-8b served at rate inf, default flags, 4 client processes
 #   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and auto only
 set -u
 OUT=${OUT:-.bench}
@@ -50,6 +53,28 @@ prefill-graphs)
     grep -h "prefill graphs" "$OUT"/server_*.log
     runs
     ;;
+tiles)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+        tests/engine/test_decode_graphs.py tests/engine/test_prefill_graphs.py >"$OUT/graph_tests.log" 2>&1
+    echo "== GPU tests exit $?"; tail -n 3 "$OUT/graph_tests.log"
+    timeout 110 python3 benchmarks/decode_profile.py 2>"$OUT/decode_profile.log" >"$OUT/decode_llama.md"
+    echo "== decode_profile llama-3-8b exit $?"; tail -n 12 "$OUT/decode_llama.md"
+    OUT=$OUT/small timeout 50 python3 benchmarks/decode_profile.py --model random:smollm2-135m \
+        2>"$OUT/decode_profile_small.log" >"$OUT/decode_small.md"
+    echo "== decode_profile smollm2-135m exit $?"; tail -n 12 "$OUT/decode_small.md"
+    timeout 120 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
+        --client-processes 6 --budget 110 >"$OUT/small_served.log" 2>&1
+    echo "== served exit $?"; grep -v '^\[' "$OUT/small_served.log" | tail -4
+    grep -h "prefill graphs" "$OUT"/server_*.log
+    runs
+    ;;
+served8b)
+    timeout 220 python3 benchmarks/h200_served.py --model random:llama-3-8b --settings "default=" --client-processes 4 \
+        --budget 210 >"$OUT/served8b.log" 2>&1
+    echo "== served exit $?"; grep -v '^\[' "$OUT/served8b.log" | tail -4
+    grep -h "prefill graphs\|start-up" "$OUT"/server_*.log
+    runs
+    ;;
 sweep)
     timeout ${SWEEP_S:-300} python3 benchmarks/attention_backends.py --decode-sweep --budget $(( ${SWEEP_S:-300} - 30 )) \
         >"$OUT/sweep.log" 2>"$OUT/sweep.err"
@@ -65,7 +90,7 @@ prefill-graphs-quick)
     runs
     ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|tiles|served8b" >&2
     exit 2
     ;;
 esac

@@ -230,7 +230,7 @@ class EngineConfig:
     # A window's first step when it carries prompt tokens, as CUDA graph replays over token buckets
     # (runner/prefill_graphs.py): auto where the warm-up measures a replay at most half the eager step's time.
     # Off by default until the graphs have run on a GPU (their tests there and a served figure).
-    prefill_cuda_graphs: Literal["auto", "on", "off"] = "off"
+    prefill_cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # The server's engine core compiles kernels and captures graphs before it reports ready (`warmup`);
     # True skips that (faster start, slower first requests). The offline `LLM` never warms up.
     skip_warmup: bool = False

@@ -136,11 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "flash-attn (FlashAttention-4: pip install 'lockstep[flash-attn]'), torch; default "
                              "from VLLM_ATTENTION_BACKEND (TRITON_ATTN, FLASH_ATTN, TORCH_SDPA) when set")
     engine.add_argument("--enforce-eager", action="store_true")
-    engine.add_argument("--prefill-cuda-graphs", choices=["auto", "on", "off"], default="off",
+    engine.add_argument("--prefill-cuda-graphs", choices=["auto", "on", "off"], default="auto",
                         help="run a window's first step, when it carries prompt tokens, as a CUDA graph replay over "
                              "padded token buckets (auto: where the warm-up measures the replay at most half the "
-                             "eager step's time, i.e. small models whose eager step is kernel launches; default off "
-                             "until measured on a GPU)")
+                             "eager step's time, i.e. small models whose eager step is kernel launches; the default)")
     engine.add_argument("--skip-warmup", action="store_true",
                         help="report ready without compiling kernels and capturing graphs first (the first "
                              "requests then pay for them)")

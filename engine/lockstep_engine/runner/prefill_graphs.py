@@ -18,8 +18,9 @@ Padding costs device time (up to a bucket step of tokens), so with `--prefill-cu
 are used only where they win: `launch_bound()` times one bucket eagerly and as a replay at warm-up, and
 the graphs are captured when the replay takes at most half of the eager step (a small model; an 8B
 model's step is device time either way). LoRA, more than one rank, and attention backends whose
-prefill needs host values per step stay eager. The flag's default is off until these graphs have run
-on a GPU (so far: the CPU's emulation of their buffers, tests/engine/test_prefill_graphs.py).
+prefill needs host values per step stay eager. `auto` is the default: on an H100 it took
+random:smollm2-135m served at rate inf from 160 to 196 req/s (prefill-carrying device time 1.58 -> 0.41 s;
+docs/BENCHMARKS.md), and an 8B model's probe keeps its first steps eager.
 """
 
 from __future__ import annotations
