@@ -12,7 +12,7 @@
 #   bash benchmarks/h200_diag.sh sweep     # attention_backends.py --decode-sweep: every Triton decode tile (block_n x
 #       warps x stages x splits) on both model shapes at 64-256 rows; the default and the fastest per case
 #   bash benchmarks/h200_diag.sh tiles     # the attention, decode-graph and prefill-graph tests on CUDA,
-#       decode_profile.py for random:llama-3-8b and random:smollm2-135m, random:smollm2-135m served (default)
+#       decode_profile.py for random:llama-3-8b and random:smollm2-135m, random:smollm2-135m served (default and 16 steps)
 #   bash benchmarks/h200_diag.sh served8b  # random:llama-3-8b served at rate inf, default flags, 4 client processes
 #   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and auto only
 set -u
@@ -62,8 +62,8 @@ tiles)
     OUT=$OUT/small timeout 50 python3 benchmarks/decode_profile.py --model random:smollm2-135m \
         2>"$OUT/decode_profile_small.log" >"$OUT/decode_small.md"
     echo "== decode_profile smollm2-135m exit $?"; tail -n 12 "$OUT/decode_small.md"
-    timeout 120 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
-        --client-processes 6 --budget 110 >"$OUT/small_served.log" 2>&1
+    timeout 170 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
+        "n16=--num-scheduler-steps 16" --client-processes 6 --budget 160 >"$OUT/small_served.log" 2>&1
     echo "== served exit $?"; grep -v '^\[' "$OUT/small_served.log" | tail -4
     grep -h "prefill graphs" "$OUT"/server_*.log
     runs
