@@ -52,7 +52,7 @@ class TunedTriton(TritonPagedAttention):
                                        "decode_stages": self.stages}
 
 
-SWEEP = False  # --decode-sweep: the whole grid below instead of the few decode variants
+SWEEP: bool | str = False  # --decode-sweep: the whole tile grid below; --split-sweep ("splits"): split counts
 
 
 def sweep_variants(shape) -> dict:
@@ -68,8 +68,18 @@ def sweep_variants(shape) -> dict:
     return out
 
 
+def split_variants(shape) -> dict:
+    """The default tile at fixed split counts (where the split heuristic's threshold should lie)."""
+    out = {"triton": lambda: TritonPagedAttention(*shape, BLOCK)}
+    for splits in (1, 2, 3, 4, 6, 8):
+        out[f"x{splits}"] = lambda x=splits: TritonPagedAttention(*shape, BLOCK, decode_splits=x)
+    return out
+
+
 def variants(shape, phase: str) -> dict:
     """name -> a backend factory, the default Triton backend first."""
+    if SWEEP == "splits":
+        return split_variants(shape)
     if SWEEP:
         return sweep_variants(shape)
     out = {"triton": lambda: TritonPagedAttention(*shape, BLOCK)}
@@ -199,8 +209,10 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; later variants are skipped past it")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="decode only, every tile of block_n x warps x stages x splits; prints the fastest")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="decode only, the default tile at 1-8 splits; prints the fastest per case")
     args = parser.parse_args()
-    SWEEP = args.decode_sweep
+    SWEEP = "splits" if args.split_sweep else args.decode_sweep
     deadline = time.monotonic() + args.budget
     os.makedirs(OUT, exist_ok=True)
     bandwidth = copy_bandwidth("cuda")

@@ -11,6 +11,7 @@
 #       random:smollm2-135m served at rate inf with the default (--prefill-cuda-graphs off) and with auto
 #   bash benchmarks/h200_diag.sh sweep     # attention_backends.py --decode-sweep: every Triton decode tile (block_n x
 #       warps x stages x splits) on both model shapes at 64-256 rows; the default and the fastest per case
+#   bash benchmarks/h200_diag.sh splits    # the default decode tile at 1-8 splits, 8-128 rows, both shapes
 #   bash benchmarks/h200_diag.sh tiles     # the attention, decode-graph and prefill-graph tests on CUDA,
 #       decode_profile.py for random:llama-3-8b and random:smollm2-135m, random:smollm2-135m served (default and 16 steps)
 #   bash benchmarks/h200_diag.sh served8b  # random:llama-3-8b served at rate inf, default flags, 4 client processes
@@ -80,6 +81,11 @@ sweep)
         >"$OUT/sweep.log" 2>"$OUT/sweep.err"
     echo "== decode sweep exit $?"; cat "$OUT/sweep.log"; grep -i "error\|out of time" "$OUT/sweep.err" | head -5
     ;;
+splits)
+    timeout 150 python3 benchmarks/attention_backends.py --split-sweep --batches 8 16 32 48 64 96 128 --budget 130 \
+        >"$OUT/splits.log" 2>"$OUT/splits.err"
+    echo "== split sweep exit $?"; cat "$OUT/splits.log"; grep -i "error\|out of time" "$OUT/splits.err" | head -5
+    ;;
 prefill-graphs-quick)
     timeout 70 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py >"$OUT/graph_tests.log" 2>&1
     echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
@@ -90,7 +96,7 @@ prefill-graphs-quick)
     runs
     ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|tiles|served8b" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|tiles|served8b" >&2
     exit 2
     ;;
 esac
