@@ -354,18 +354,23 @@ class TritonPagedAttention(PagedAttention):
             self._prefill(q, k_cache, v_cache, meta, out)
         return out
 
-    def decode_splits(self, num_seqs: int, max_seq_len: int, device: torch.device) -> int:
+    def decode_splits(self, num_seqs: int, max_seq_len: int, device: torch.device, element_size: int = 2) -> int:
         """How many programs share one row's context. None while the (row, kv head) programs alone
-        fill the multiprocessors; below that, enough for two waves, no chunk shorter than
-        MIN_SPLIT_TOKENS. (Measured on the H200, Llama-3-8B shape, as CUDA graphs: batch >= 32 is
-        fastest unsplit; batch 1 at 512 / 2048 tokens fastest with 8 / 32 splits.) Any count is
-        correct for any seq_len (chunks come from the device lengths), so a graph captured with one
-        count replays right at other lengths."""
+        fill `waves` rounds of the multiprocessors; below that, enough programs for `waves` rounds, no
+        chunk shorter than MIN_SPLIT_TOKENS. A program whose tokens are light (its K and V rows under
+        512 bytes a token) needs more programs to keep the memory system busy: two waves at 512 bytes
+        and more (head_dim 128 in 16 bits), four at 256 (head_dim 64). Fitted to
+        benchmarks/attention_backends.py --split-sweep on an H100 (330 tokens a row): Llama-3-8B is
+        fastest with 2 splits at 32 rows (256 programs) and unsplit from 48 rows, SmolLM2-135M with
+        6 / 3 / 2 splits at 32 / 64 / 128 rows. Any count is correct for any seq_len (chunks come from
+        the device lengths), so a graph captured with one count replays right at other lengths."""
         programs = num_seqs * self.num_kv_heads
         sms = _sm_count(device)
-        if programs >= sms:
+        token_bytes = 2 * self.head_dim * element_size
+        waves = 2 * max(1, 512 // token_bytes)
+        if programs >= waves * sms:
             return 1
-        want = triton.cdiv(2 * sms, programs)
+        want = triton.cdiv(waves * sms, programs)
         by_length = triton.cdiv(max(max_seq_len, 1), self.MIN_SPLIT_TOKENS)
         return max(1, min(want, by_length, self.MAX_SPLITS))
 
@@ -378,7 +383,7 @@ class TritonPagedAttention(PagedAttention):
         if num_splits is None:
             num_splits = self.fixed_decode_splits
         if num_splits is None:
-            num_splits = self.decode_splits(seqs, max_len, q.device)
+            num_splits = self.decode_splits(seqs, max_len, q.device, q.element_size())
         split = num_splits > 1
         if split:
             part_acc = torch.empty((seqs, self.num_heads, num_splits, self.head_dim), dtype=torch.float32,
