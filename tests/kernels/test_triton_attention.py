@@ -159,6 +159,30 @@ def test_decode_split_kv(splits, heads, kv_heads, head_dim):
     assert_close(out, expected, torch.float32)
 
 
+def test_decode_split_heuristic(monkeypatch):
+    """Splits only while the (row, kv head) programs are too few for the device: more waves for light
+    programs (K and V under 512 bytes a token), never a chunk under MIN_SPLIT_TOKENS, never more than
+    MAX_SPLITS; the bytes a token decide, not the head size alone."""
+    import lockstep_engine.kernels.triton_attention as module
+
+    monkeypatch.setattr(module, "_sm_count", lambda device: 132)
+    heavy = TritonPagedAttention(32, 8, 128, 16)  # Llama-3-8B: 512 bytes a token in 16 bits
+    light = TritonPagedAttention(9, 3, 64, 16)  # SmolLM2-135M: 256
+    cuda = torch.device("cuda", 0)
+    assert heavy.decode_splits(48, 330, cuda) == 1  # 384 programs: two waves of 132
+    assert heavy.decode_splits(32, 330, cuda) == 2
+    assert light.decode_splits(128, 330, cuda) == 2  # 384 programs: under four waves
+    assert light.decode_splits(256, 330, cuda) == 1
+    assert light.decode_splits(64, 330, cuda) > heavy.decode_splits(64 * 8 // 3, 330, cuda)
+    # fp32: 512 bytes a token again, so the same split as the heavy shape at the same program count
+    assert light.decode_splits(64, 330, cuda, element_size=4) == heavy.decode_splits(24, 330, cuda) == 2
+    for rows in (1, 2, 8, 16, 32, 64):
+        for length in (1, 63, 64, 330, 4096, 100_000):
+            splits = light.decode_splits(rows, length, cuda)
+            assert 1 <= splits <= light.MAX_SPLITS
+            assert splits == 1 or -(-length // splits) >= light.MIN_SPLIT_TOKENS
+
+
 def test_decode_respects_max_seq_len_and_int32_tables():
     """Like the reference, decode reads at most meta.max_seq_len keys; block tables may be int32."""
     rows = [(30, 1), (50, 1), (9, 1)]
