@@ -29,6 +29,7 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     (["serve", "smollm2", "--max-modl-len", "32"], ["--max-modl-len", "did you mean --max-model-len"]),
     (["serve", "smollm2", "--port", "99999"], ["--port", "99999", "allowed 1-65535"]),
     (["serve", "smollm2", "--num-scheduler-steps", "many"], ["--num-scheduler-steps", "'many'", "[1, 64]"]),
+    (["serve", "smollm2", "--stream-interval", "0"], ["--stream-interval=0", "an integer >= 1"]),
     (["up", "smollm2", "--port", "0"], ["lockstep up", "--port", "0 is out of range: allowed 1-65535"]),
     (["up", "smollm2", "--replicsa", "2"], ["lockstep up", "did you mean --replicas"]),
     (["up", "smollm2", "--max-modl-len", "64"], ["lockstep up", "did you mean --max-model-len"]),  # an engine flag

@@ -85,6 +85,7 @@ class ServerSettings:
     gpu_memory_utilization: float | None = None  # when given: on the CPU it is ignored, and the log says so
     defaults: ServerDefaults = field(default_factory=ServerDefaults)  # chat template, role, sampling defaults
     group: ApiServerGroup | None = None  # one of several API servers of one engine core (--api-server-count)
+    stream_interval: int = 1  # --stream-interval: a request's tokens per wake-up of its stream (the first at once)
 
 
 class ServerState:
@@ -123,7 +124,8 @@ class ServerState:
         try:
             group = self.settings.group
             client = EngineCoreClient(self.engine_config, self.settings.core_timeouts, self.max_requests,
-                                      core_conn=group.core_conn if group is not None else None)
+                                      core_conn=group.core_conn if group is not None else None,
+                                      stream_interval=self.settings.stream_interval)
             client.on_dead = self._core_died
             self.client = client
             await client.start()

@@ -62,6 +62,7 @@ class Generation:
     updated: asyncio.Event = field(default_factory=asyncio.Event)
     error: Exception | None = None
     last_emitted_at: float = 0.0  # StepOutputs.emitted_at of the latest update (for latency metrics)
+    unannounced: int = -1  # tokens since `updated` was last set for tokens (-1: none announced yet, the first goes at once)
     engine_output_at: Callable[[], float] | None = None  # when the engine last sent tokens for any request
 
     @property
@@ -114,8 +115,9 @@ class CoreTimeouts:
 
 class EngineCoreClient:
     def __init__(self, config, timeouts: CoreTimeouts | None = None, max_requests: int | None = None,
-                 core_conn=None):
+                 core_conn=None, stream_interval: int = 1):
         self.config = config  # EngineConfig as given; the core resolves it against the model
+        self.stream_interval = stream_interval  # a generation's tokens per wake-up (--stream-interval)
         self.timeouts = timeouts or CoreTimeouts()
         self.max_requests = max_requests  # core requests in flight (running + waiting); None: unbounded
         self.on_dead = None  # called once with the reason when a loaded core dies or stops answering
@@ -350,7 +352,21 @@ class EngineCoreClient:
             if stop is not None:
                 self._send(p.StopSequence(output.request_id, output.index, stop))
             generation.last_emitted_at = message.emitted_at
-            generation.updated.set()
+            if self._announce(generation, stop is not None):
+                generation.updated.set()
+
+    def _announce(self, generation: Generation, stopping: bool) -> bool:
+        """Whether an output wakes its generation's waiter (vLLM's --stream-interval): always with an
+        interval of 1; else its first token, every `stream_interval`-th token after it (over all its
+        samples), and its end (a finish, or a stop string found, whose finish follows)."""
+        if self.stream_interval == 1:
+            return True
+        generation.unannounced += 1
+        if generation.unannounced > 0 and generation.unannounced < self.stream_interval \
+                and not stopping and not generation.finished:
+            return False
+        generation.unannounced = 0
+        return True
 
     # ---- health -----------------------------------------------------------------------------
     async def _watch(self) -> None:

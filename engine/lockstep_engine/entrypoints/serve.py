@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "and the server exits")
     server.add_argument("--engine-stall-timeout", type=float, default=300.0,
                         help="seconds without a finished step before the engine loop counts as stuck")
+    server.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens of a request per streamed chunk (vLLM's flag): 1 sends every token as it comes; "
+                             "N > 1 sends a request's first token at once and then waits for N more tokens, or its "
+                             "end, fewer chunks for the same text")
     server.add_argument("--api-server-count", type=int, default=1,
                         help="API-server processes (HTTP, tokenization, streaming) serving the port, all feeding the "
                              "one engine core; the admission limits are split evenly between them")
@@ -209,6 +213,8 @@ def parse_args(argv: list[str]):
     error = api_server_count_error(args)
     if error is not None:
         parser.error(error)
+    if args.stream_interval < 1:
+        parser.error(f"--stream-interval={args.stream_interval}: must be an integer >= 1")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic)")
     settings = ServerSettings(
@@ -228,6 +234,7 @@ def parse_args(argv: list[str]):
         max_queued_memory_bytes=args.max_queued_memory_bytes,
         body_read_timeout_s=args.body_read_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
+        stream_interval=args.stream_interval,
     )
     return args, config, settings
 

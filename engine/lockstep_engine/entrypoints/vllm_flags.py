@@ -114,6 +114,7 @@ FLAGS: tuple[Flag, ...] = (
     _n("--h11-max-header-count", "uvicorn's h11 has no header-count limit to set"),
     _r("--headless", _ONE_ENGINE, "bool"),
     _s("--api-server-count", "API-server processes on the one port, feeding the one engine core"),
+    _s("--stream-interval", "a request's tokens per streamed chunk; the first token goes at once"),
     _r("--grpc", "only the HTTP OpenAI-compatible server", "bool"),
     _n("--enable-log-requests", "requests are never logged", "bool_optional", ("False",)),
     _n("--disable-log-requests", "requests are never logged", "bool_optional", ("True",)),
