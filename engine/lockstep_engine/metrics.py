@@ -85,6 +85,11 @@ class Buckets:
         self.counts[bisect_left(self.bounds, value)] += 1  # le semantics: value <= bound
         self.sum += value
 
+    def observe_many(self, value: float, count: int) -> None:
+        """`count` observations of one value."""
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
     def state(self) -> tuple[list[int], float]:
         return list(self.counts), self.sum
 
@@ -98,11 +103,16 @@ class _Series:
         self.counters: dict[str, dict[tuple[str, ...], float]] = {}
 
     def observe(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        self.buckets(name, labels).observe(value)
+
+    def buckets(self, name: str, labels: tuple[str, ...]) -> Buckets:
+        """The histogram state of one series, made on first use; callers on a hot path may keep it (it lives
+        as long as the series)."""
         series = self.histograms.setdefault(name, {})
         buckets = series.get(labels)
         if buckets is None:
             buckets = series[labels] = Buckets(self.specs[name].buckets)
-        buckets.observe(value)
+        return buckets
 
     def inc(self, name: str, labels: tuple[str, ...], amount: float) -> None:
         series = self.counters.setdefault(name, {})
@@ -241,6 +251,7 @@ class ServerMetrics:
         self._requests: dict[str, _Tracked] = {}
         self._headers: dict[str, str] = {}
         self._label_text: dict[tuple, str] = {}
+        self._gap_buckets: tuple[Buckets, Buckets, Buckets] | None = None  # ITL, inter-token, per-output time
         self._bucket_text: dict[tuple, list[str]] = {}
 
     def attach(self, model_name: str, ready: p.CoreReady, enable_prefix_caching: bool,
@@ -285,12 +296,15 @@ class ServerMetrics:
                 s.observe(v.REQUEST_QUEUE_TIME, _ENGINE, max(scheduled_at - tracked.arrival, 0.0))
         last = tracked.last_token_at.get(index)
         if last is not None:
-            per_token = (now - last) / new
-            for _ in range(new):
-                s.observe(n.ITL, (), per_token)
+            gap = now - last
+            if self._gap_buckets is None:  # per token: the series' states kept, not looked up each time
+                self._gap_buckets = (s.buckets(n.ITL, ()), s.buckets(v.INTER_TOKEN_LATENCY, _ENGINE),
+                                     s.buckets(v.TIME_PER_OUTPUT_TOKEN, _ENGINE))
+            itl, inter_token, per_output = self._gap_buckets
+            itl.observe_many(gap / new, new)
             # vLLM: one observation per output of a request, the time since its previous one.
-            s.observe(v.INTER_TOKEN_LATENCY, _ENGINE, now - last)
-            s.observe(v.TIME_PER_OUTPUT_TOKEN, _ENGINE, now - last)
+            inter_token.observe(gap)
+            per_output.observe(gap)
         tracked.last_token_at[index] = now
         tracked.num_tokens[index] = num_tokens
         s.inc(n.GENERATION_TOKENS, (), new)

@@ -125,3 +125,24 @@ def test_scrape_latency_of_a_real_server(server):
     samples = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
     print(f"\nGET /metrics over HTTP: {samples} samples, p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
     assert p50 < 0.025, f"scrape p50 {p50 * 1e3:.2f} ms: a 50 ms scrape interval would not keep up"
+
+
+def test_an_output_of_several_tokens_is_one_itl_observation_per_token_and_one_per_output_for_vllm():
+    """A step that hands over three tokens of a sample at once (speculation, --stream-interval's batching
+    upstream): lockstep's ITL series gets three observations of a third of the gap each, vLLM's
+    inter-token and per-output series one of the whole gap."""
+    from lockstep_engine.metrics import ServerMetrics
+
+    from lockstep_common import vllm_metrics as v
+
+    engine = ServerMetrics()
+    engine.request_started("r", 0.0, 10, 1, 16)
+    engine.tokens_received("r", 0, 1, 1.0)
+    engine.tokens_received("r", 0, 4, 1.3)
+    engine.tokens_received("r", 0, 4, 1.4)  # no new token: nothing observed
+    itl = engine.series.histograms[n.ITL][()]
+    assert sum(itl.counts) == 3 and itl.sum == pytest.approx(0.3)
+    for name in (v.INTER_TOKEN_LATENCY, v.TIME_PER_OUTPUT_TOKEN):
+        (buckets,) = engine.series.histograms[name].values()
+        assert sum(buckets.counts) == 1 and buckets.sum == pytest.approx(0.3)
+    assert engine.series.counters[n.GENERATION_TOKENS][()] == 4
