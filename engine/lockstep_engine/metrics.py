@@ -16,7 +16,6 @@ Names, labels and buckets come from `lockstep_common.metrics_names` (docs/ARCHIT
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,19 +24,11 @@ from prometheus_client.utils import floatToGoString
 
 from lockstep_common import metrics_names as n
 from lockstep_engine import protocol as p
+from lockstep_engine.metric_series import Buckets, Series, Spec
 from lockstep_common import vllm_metrics as v
 
 
 OCCUPANCY_WINDOW_S = 5.0  # the span of lockstep_gpu_occupancy_ratio
-
-
-@dataclass(frozen=True)
-class Spec:
-    name: str
-    kind: str  # counter | histogram
-    help: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] = ()
 
 
 # Label `model_name` comes first on every engine series; the labels below follow it.
@@ -71,60 +62,12 @@ CORE_SPECS = {s.name: s for s in (
 )}
 
 
-class Buckets:
-    """A classic histogram's state: per-bucket (not cumulative) counts, the last one +Inf, and the sum."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # le semantics: value <= bound
-        self.sum += value
-
-    def observe_many(self, value: float, count: int) -> None:
-        """`count` observations of one value."""
-        self.counts[bisect_left(self.bounds, value)] += count
-        self.sum += value * count
-
-    def state(self) -> tuple[list[int], float]:
-        return list(self.counts), self.sum
-
-
-class _Series:
-    """Histograms and counters keyed by (name, label values)."""
-
-    def __init__(self, specs: dict[str, Spec]):
-        self.specs = specs
-        self.histograms: dict[str, dict[tuple[str, ...], Buckets]] = {}
-        self.counters: dict[str, dict[tuple[str, ...], float]] = {}
-
-    def observe(self, name: str, labels: tuple[str, ...], value: float) -> None:
-        self.buckets(name, labels).observe(value)
-
-    def buckets(self, name: str, labels: tuple[str, ...]) -> Buckets:
-        """The histogram state of one series, made on first use; callers on a hot path may keep it (it lives
-        as long as the series)."""
-        series = self.histograms.setdefault(name, {})
-        buckets = series.get(labels)
-        if buckets is None:
-            buckets = series[labels] = Buckets(self.specs[name].buckets)
-        return buckets
-
-    def inc(self, name: str, labels: tuple[str, ...], amount: float) -> None:
-        series = self.counters.setdefault(name, {})
-        series[labels] = series.get(labels, 0.0) + amount
-
-
 # ---- engine-core process --------------------------------------------------------------------
 class CoreMetrics:
     """Step timing and scheduler counters of one `EngineCore`, fed once per window."""
 
     def __init__(self):
-        self.series = _Series(CORE_SPECS)
+        self.series = Series(CORE_SPECS)
         self._prompt_tokens = 0
         self._wasted = 0
         self._cuts = 0
@@ -241,7 +184,7 @@ class ServerMetrics:
     def __init__(self, model_name: str = "", max_model_len: int = 2048):
         self.model_name = model_name
         self.specs = {**CORE_SPECS, **_request_specs(max_model_len)}
-        self.series = _Series(self.specs)
+        self.series = Series(self.specs)
         self.ready: p.CoreReady | None = None
         self.enable_prefix_caching = True
         self.gpu_memory_utilization = 0.9
