@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -161,7 +162,8 @@ def test_up_stops_whole_when_its_gateways_health_listener_dies(tmp_path):
     finally:
         _kill_whole(up)
     output = log_path.read_text()
-    assert "the health listener process closed its channel" in output
+    # EOF, or a reset where the dead listener left unread bytes behind
+    assert re.search(r"the health listener process (closed|broke) its channel", output)
     assert "the gateway's health listener process died; stopping" in output and "stopped" in output
 
 
