@@ -8,14 +8,14 @@
 #   bash benchmarks/h200_diag.sh prefill   # prefill_profile.py at 2048 and 8192 tokens, naming the kernels
 #       outside the known groups (the 8192-token chunk's unexplained time)
 #   bash benchmarks/h200_diag.sh prefill-graphs   # the prefill-graph and decode-graph tests on CUDA, then
-#       random:smollm2-135m served at rate inf with the default (--prefill-cuda-graphs off) and with auto
+#       random:smollm2-135m served at rate inf with --prefill-cuda-graphs off and with the default (auto)
 #   bash benchmarks/h200_diag.sh sweep     # attention_backends.py --decode-sweep: every Triton decode tile (block_n x
 #       warps x stages x splits) on both model shapes at 64-256 rows; the default and the fastest per case
 #   bash benchmarks/h200_diag.sh splits    # the default decode tile at 1-8 splits, 8-128 rows, both shapes
 #   bash benchmarks/h200_diag.sh tiles     # the attention, decode-graph and prefill-graph tests on CUDA,
 #       decode_profile.py for random:llama-3-8b and random:smollm2-135m, random:smollm2-135m served (default and 16 steps)
 #   bash benchmarks/h200_diag.sh served8b  # random:llama-3-8b served at rate inf, default flags, 4 client processes
-#   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and auto only
+#   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and the default only
 set -u
 OUT=${OUT:-.bench}
 mkdir -p "$OUT"
@@ -29,6 +29,21 @@ for row in json.load(open(sys.argv[1])).get("runs", []):
     print({k: row.get(k) for k in ("label", "req_per_s", "idle_fraction", "median_boundary_gap_us", "host_s",
                                    "busy_by_phase", "forwards_by_phase", "windows", "steps", "overlapped_windows")})
 PY
+}
+
+gpu_tests() {  # SECONDS FILES...: the GPU test files, their last lines
+    local seconds=$1; shift
+    timeout "$seconds" python3 -m pytest -q -p no:cacheprovider "$@" >"$OUT/graph_tests.log" 2>&1
+    echo "== GPU tests exit $?"; tail -n 3 "$OUT/graph_tests.log"
+}
+
+served_small() {  # SECONDS SETTINGS...: random:smollm2-135m at rate inf, one server per setting (NAME=FLAGS)
+    local seconds=$1; shift
+    timeout "$seconds" python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "$@" \
+        --client-processes 6 --budget $((seconds - 10)) >"$OUT/small_served.log" 2>&1
+    echo "== served exit $?"; grep -v '^\[' "$OUT/small_served.log" | tail -6
+    grep -h "prefill graphs" "$OUT"/server_*.log
+    runs
 }
 
 case "${1:-}" in
@@ -45,29 +60,18 @@ prefill)
     echo "== prefill_profile exit $?"; grep -v "^USDT" "$OUT/prefill.log" | tail -16
     ;;
 prefill-graphs)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py \
-        tests/engine/test_decode_graphs.py >"$OUT/graph_tests.log" 2>&1
-    echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
-    timeout 230 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
-        "prefill_graphs=--prefill-cuda-graphs auto" --client-processes 6 --budget 220 >"$OUT/pg_served.log" 2>&1
-    echo "== served exit $?"; grep -v '^\[' "$OUT/pg_served.log" | tail -6
-    grep -h "prefill graphs" "$OUT"/server_*.log
-    runs
+    gpu_tests 150 tests/engine/test_prefill_graphs.py tests/engine/test_decode_graphs.py
+    served_small 260 "eager_prefill=--prefill-cuda-graphs off" "head="
     ;;
 tiles)
-    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-        tests/engine/test_decode_graphs.py tests/engine/test_prefill_graphs.py >"$OUT/graph_tests.log" 2>&1
-    echo "== GPU tests exit $?"; tail -n 3 "$OUT/graph_tests.log"
+    gpu_tests 170 tests/kernels/test_triton_attention.py tests/engine/test_decode_graphs.py \
+        tests/engine/test_prefill_graphs.py
     timeout 110 python3 benchmarks/decode_profile.py 2>"$OUT/decode_profile.log" >"$OUT/decode_llama.md"
     echo "== decode_profile llama-3-8b exit $?"; tail -n 12 "$OUT/decode_llama.md"
     OUT=$OUT/small timeout 50 python3 benchmarks/decode_profile.py --model random:smollm2-135m \
         2>"$OUT/decode_profile_small.log" >"$OUT/decode_small.md"
     echo "== decode_profile smollm2-135m exit $?"; tail -n 12 "$OUT/decode_small.md"
-    timeout 170 python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" \
-        "n16=--num-scheduler-steps 16" --client-processes 6 --budget 160 >"$OUT/small_served.log" 2>&1
-    echo "== served exit $?"; grep -v '^\[' "$OUT/small_served.log" | tail -4
-    grep -h "prefill graphs" "$OUT"/server_*.log
-    runs
+    served_small 260 "head=" "n16=--num-scheduler-steps 16"
     ;;
 served8b)
     timeout 220 python3 benchmarks/h200_served.py --model random:llama-3-8b --settings "default=" --client-processes 4 \
@@ -87,13 +91,8 @@ splits)
     echo "== split sweep exit $?"; cat "$OUT/splits.log"; grep -i "error\|out of time" "$OUT/splits.err" | head -5
     ;;
 prefill-graphs-quick)
-    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_graphs.py >"$OUT/graph_tests.log" 2>&1
-    echo "== GPU tests exit $?"; tail -n 4 "$OUT/graph_tests.log"
-    timeout 120 python3 benchmarks/h200_served.py --model random:smollm2-135m \
-        --settings "prefill_graphs=--prefill-cuda-graphs auto" --client-processes 6 --budget 110 >"$OUT/pg_served.log" 2>&1
-    echo "== served exit $?"; grep -v '^\[' "$OUT/pg_served.log" | tail -4
-    grep -h "prefill graphs" "$OUT"/server_*.log
-    runs
+    gpu_tests 70 tests/engine/test_prefill_graphs.py
+    served_small 200 "head="
     ;;
 *)
     echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|tiles|served8b" >&2
