@@ -52,7 +52,7 @@ class TunedTriton(TritonPagedAttention):
                                        "decode_stages": self.stages}
 
 
-SWEEP: bool | str = False  # --decode-sweep: the whole tile grid below; --split-sweep ("splits"): split counts
+SWEEP = ""  # "tiles" (--decode-sweep): the whole tile grid below; "splits" (--split-sweep): split counts
 
 
 def sweep_variants(shape) -> dict:
@@ -80,7 +80,7 @@ def variants(shape, phase: str) -> dict:
     """name -> a backend factory, the default Triton backend first."""
     if SWEEP == "splits":
         return split_variants(shape)
-    if SWEEP:
+    if SWEEP == "tiles":
         return sweep_variants(shape)
     out = {"triton": lambda: TritonPagedAttention(*shape, BLOCK)}
     if phase == "decode":
@@ -212,7 +212,7 @@ def main() -> int:
     parser.add_argument("--split-sweep", action="store_true",
                         help="decode only, the default tile at 1-8 splits; prints the fastest per case")
     args = parser.parse_args()
-    SWEEP = "splits" if args.split_sweep else args.decode_sweep
+    SWEEP = "splits" if args.split_sweep else "tiles" if args.decode_sweep else ""
     deadline = time.monotonic() + args.budget
     os.makedirs(OUT, exist_ok=True)
     bandwidth = copy_bandwidth("cuda")
