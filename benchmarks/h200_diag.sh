@@ -16,6 +16,8 @@
 #       decode_profile.py for random:llama-3-8b and random:smollm2-135m, random:smollm2-135m served (default and 16 steps)
 #   bash benchmarks/h200_diag.sh served8b  # random:llama-3-8b served at rate inf, default flags, 4 client processes
 #   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and the default only
+#   bash benchmarks/h200_diag.sh splits-served   # carrying .whl/prev (an older tree, git archive): the Triton
+#       attention tests on CUDA, random:smollm2-135m served with this tree (one and two API servers), then with .whl/prev's
 set -u
 OUT=${OUT:-.bench}
 mkdir -p "$OUT"
@@ -94,8 +96,16 @@ prefill-graphs-quick)
     gpu_tests 70 tests/engine/test_prefill_graphs.py
     served_small 200 "head="
     ;;
+splits-served)
+    python3 -c "import uvloop, httptools; print('uvloop', uvloop.__version__, 'httptools', httptools.__version__)"
+    gpu_tests 100 tests/kernels/test_triton_attention.py
+    served_small 200 "head=" "api2=--api-server-count 2"
+    mkdir -p "$OUT/prev"
+    (cd .whl/prev && export OUT=$OUT/prev PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway \
+        && served_small 110 "prev=")
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|tiles|served8b" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|tiles|served8b" >&2
     exit 2
     ;;
 esac
