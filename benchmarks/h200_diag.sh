@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/h200_diag.sh spy       # random:smollm2-135m served at rate inf (default flags, 6 client
 #       processes) under py-spy (every process and thread, 250 Hz): $OUT/spy_smollm2.txt (raw stacks),
-#       $OUT/spy_summary.txt (benchmarks/spy_summary.py), $OUT/served.json (busy_by_phase, host seconds)
+#       $OUT/spy_summary.txt (benchmarks/spy_summary.py), $OUT/served.json (busy_by_phase, host seconds);
+#       SPY_SETTING="NAME=FLAGS" serves another setting (SPY_SETTING="api2=--api-server-count 2")
 #   bash benchmarks/h200_diag.sh prefill   # prefill_profile.py at 2048 and 8192 tokens, naming the kernels
 #       outside the known groups (the 8192-token chunk's unexplained time)
 #   bash benchmarks/h200_diag.sh prefill-graphs   # the prefill-graph and decode-graph tests on CUDA, then
@@ -51,7 +52,7 @@ served_small() {  # SECONDS SETTINGS...: random:smollm2-135m at rate inf, one se
 case "${1:-}" in
 spy)
     timeout 240 py-spy record -r 250 --subprocesses --threads --nonblocking --format raw -o "$OUT/spy_smollm2.txt" -- \
-        python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "default=" --client-processes 6 \
+        python3 benchmarks/h200_served.py --model random:smollm2-135m --settings "${SPY_SETTING:-default=}" --client-processes 6 \
         --budget 200 >"$OUT/spy_served.log" 2>&1
     echo "== served under py-spy exit $?"; grep -v '^\[' "$OUT/spy_served.log" | tail -4
     python3 benchmarks/spy_summary.py "$OUT/spy_smollm2.txt" --top 30 >"$OUT/spy_summary.txt" 2>&1
@@ -104,8 +105,14 @@ splits-served)
     (cd .whl/prev && export OUT=$OUT/prev PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway \
         && served_small 110 "prev=")
     ;;
+variant)  # carrying .whl/variant (this tree changed, copied there): random:smollm2-135m served, this tree then it
+    served_small 200 "head="
+    mkdir -p "$OUT/variant"
+    (cd .whl/variant && export OUT=$OUT/variant PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway \
+        && served_small 200 "variant=")
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|tiles|served8b" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|tiles|served8b" >&2
     exit 2
     ;;
 esac

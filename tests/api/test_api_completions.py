@@ -34,6 +34,23 @@ def test_token_id_prompts_give_the_same_text_as_their_text(smol8, offline_smollm
     assert by_ids.usage.prompt_tokens == len(ids[0]) + len(ids[1])
 
 
+def test_prompts_read_on_the_loop_and_in_a_worker_give_the_same_text(smol8, offline_smollm2):
+    """Short prompts are read on the event loop, long ones in a worker thread: same tokens either way."""
+    from lockstep_engine.api.serving import INLINE_PROMPT_CHARS, _inline_prompt
+
+    long_text = " ".join(["The quick brown fox jumps over the lazy dog."] * (INLINE_PROMPT_CHARS // 40))
+    assert len(long_text) > INLINE_PROMPT_CHARS and not _inline_prompt(long_text)
+    assert not _inline_prompt([PROMPTS[0], long_text]) and _inline_prompt(PROMPTS) and _inline_prompt([1, 2])
+    ids = offline_smollm2.tokenizer.encode(long_text)
+    assert not _inline_prompt([ids] * (16384 // len(ids) + 1)) and _inline_prompt(ids)
+    client = smol8.client()
+    by_text = client.completions.create(model="smollm2", prompt=[long_text, PROMPTS[0]], max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model="smollm2", prompt=[ids, offline_smollm2.tokenizer.encode(PROMPTS[0])],
+                                       max_tokens=8, temperature=0)
+    assert [c.text for c in by_text.choices] == [c.text for c in by_ids.choices]
+    assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens > len(ids)
+
+
 def test_streamed_text_equals_the_response_and_arrives_per_step(smol8):
     client = smol8.client()
     whole = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=20, temperature=0)

@@ -276,8 +276,12 @@ class OpenAIServing:
             raise bad_request("suffix: fill-in-the-middle is not supported", "suffix")
         if body.best_of is not None and body.best_of > 1:
             raise bad_request("best_of: only best_of=1 is supported", "best_of")
-        # Tokenizing a large prompt takes seconds: off the event loop, so /health and streams go on.
-        prompts, texts = await asyncio.to_thread(self.completion_prompts, body)
+        # Tokenizing a large prompt takes seconds: off the event loop, so /health and streams go on. Token ids
+        # and short texts stay on it: the hop to a worker thread costs the loop more than they do.
+        if _inline_prompt(body.prompt):
+            prompts, texts = self.completion_prompts(body)
+        else:
+            prompts, texts = await asyncio.to_thread(self.completion_prompts, body)
         constraint = self.guided_constraint(body)
         params = self.sampling_params(body, body.max_tokens, body.logprobs, constraint)
         self.validate(prompts, params)
@@ -481,3 +485,21 @@ class OpenAIServing:
         finally:
             watcher.cancel()
         self.client.release(generation)
+
+
+# A completion prompt read on the event loop rather than in a worker thread (`create_completion`): the hop
+# costs the loop more than tokenizing this much text or copying this many token ids does.
+INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS = 2048, 16384
+
+
+def _inline_prompt(prompt) -> bool:
+    items = [prompt] if isinstance(prompt, str) or prompt and isinstance(prompt[0], int) else prompt
+    if not isinstance(items, list):
+        return False
+    chars = ids = 0
+    for item in items:
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, list):
+            ids += len(item)
+    return chars <= INLINE_PROMPT_CHARS and ids <= INLINE_PROMPT_IDS
