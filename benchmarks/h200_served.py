@@ -156,7 +156,7 @@ def scrape(url: str) -> dict:
     text = httpx.get(f"{url}/metrics", timeout=10.0).text
     values = {"busy": 0.0, "idle": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0, "boundary_buckets": {},
               "windows": 0.0, "steps": 0.0, "cuts": 0.0, "overlapped": 0.0, "occupancy": None, "host": {},
-              "busy_by_phase": {}, "forwards_by_phase": {}}
+              "busy_by_phase": {}, "forwards_by_phase": {}, "gap_by_boundary": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in ("lockstep_gpu_busy_seconds_total", "lockstep_step_duration_seconds_count"):
@@ -172,6 +172,9 @@ def scrape(url: str) -> dict:
             elif sample.name == "lockstep_host_phase_seconds_sum":  # the core's host work, per phase
                 phase = sample.labels.get("phase", "")
                 values["host"][phase] = values["host"].get(phase, 0.0) + sample.value
+            elif sample.name == f"{GAP}_sum":  # idle before a window's first step, and between its steps
+                boundary = sample.labels.get("boundary", "")
+                values["gap_by_boundary"][boundary] = values["gap_by_boundary"].get(boundary, 0.0) + sample.value
             elif sample.name == f"{GAP}_bucket" and sample.labels.get("boundary") == "window_start":
                 le = float(sample.labels["le"])
                 values["boundary_buckets"][le] = values["boundary_buckets"].get(le, 0.0) + sample.value
@@ -254,7 +257,7 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
         "longest_output_e2el_s": None if longest is None else result["ttfts"][longest] + sum(result["itls"][longest]),
         "host_s": {phase: seconds - before["host"].get(phase, 0.0) for phase, seconds in after["host"].items()},
         **{key: {phase: value - before[key].get(phase, 0.0) for phase, value in after[key].items()}
-           for key in ("busy_by_phase", "forwards_by_phase")},
+           for key in ("busy_by_phase", "forwards_by_phase", "gap_by_boundary")},
     }
     log(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k != "label"))
     return row
