@@ -17,6 +17,9 @@
 #       decode_profile.py for random:llama-3-8b and random:smollm2-135m, random:smollm2-135m served (default and 16 steps)
 #   bash benchmarks/h200_diag.sh served8b  # random:llama-3-8b served at rate inf, default flags, 4 client processes
 #   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and the default only
+#   bash benchmarks/h200_diag.sh variant   # carrying .whl/variant (this tree with a change): smollm2 served, this tree then it
+#   bash benchmarks/h200_diag.sh overlap-tail   # carrying .whl/variant: overlap and decode-graph tests on CUDA, then
+#       `variant` twice (QUICK=1: the overlap tests, then `variant` once)
 #   bash benchmarks/h200_diag.sh splits-served   # carrying .whl/prev (an older tree, git archive): the Triton
 #       attention tests on CUDA, random:smollm2-135m served with this tree (one and two API servers), then with .whl/prev's
 set -u
@@ -111,8 +114,17 @@ variant)  # carrying .whl/variant (this tree changed, copied there): random:smol
     (cd .whl/variant && export OUT=$OUT/variant PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway \
         && served_small 200 "variant=")
     ;;
+overlap-tail)  # carrying .whl/variant (this tree with another TAIL_STEPS): the overlap and decode-graph tests on
+    # CUDA, then random:smollm2-135m served by this tree and the variant, twice, alternating
+    # QUICK=1: the overlap tests alone, and one round
+    if [ -n "${QUICK:-}" ]; then gpu_tests 150 tests/engine/test_overlap.py; else
+        gpu_tests 200 tests/engine/test_overlap.py tests/engine/test_decode_graphs.py; fi
+    for round in $(seq 1 $([ -n "${QUICK:-}" ] && echo 1 || echo 2)); do
+        (export OUT=$OUT/r$round && mkdir -p "$OUT" && bash "$0" variant) 2>&1 | grep "@inf |"
+    done
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|tiles|served8b" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|overlap-tail|tiles|served8b" >&2
     exit 2
     ;;
 esac

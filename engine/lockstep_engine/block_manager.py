@@ -180,7 +180,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         size = self.block_size
-        num_full = min(seq.num_computed // size, len(seq.block_ids))
+        # A block's last tokens may be computed on the device and not on the host yet (`Sequence.num_pending`):
+        # it is hashed once they are.
+        num_full = min(min(seq.num_computed, len(seq.token_ids)) // size, len(seq.block_ids))
         while seq.num_hashed_blocks < num_full:
             index = seq.num_hashed_blocks
             parent_hash = seq.block_hashes[index - 1] if index else _root_hash(seq)

@@ -320,9 +320,9 @@ class EngineCore:
         """The scheduler's and the statistics' side of a window that ran (its tail counted as taken)."""
         update_start = time.perf_counter()
         accepted = rows.accepted()
-        if timings.tail is not None:
-            self._tail = self._hold_tail(timings.tail, rows.seqs, accepted)
         executed = timings.num_steps
+        if timings.tail is not None:
+            self._tail = self._hold_tail(timings.tail, plan.sampling_rows, accepted, executed)
         stats = self.stats
         stats.num_cut_windows += cut
         stats.num_wasted_tokens += self.scheduler.complete_rows(plan.rows, _per_row(plan.rows, accepted), executed)
@@ -344,14 +344,18 @@ class EngineCore:
             self.executor.on_idle()
 
     @staticmethod
-    def _hold_tail(tail, seqs: list[Sequence], accepted: list[int]):
-        """A window's last step left on the device: every row still running took one more token there.
-        The next window is planned from it (`Sequence.num_pending`); it is appended when delivered."""
+    def _hold_tail(tail, rows: list[ScheduledSeq], accepted: list[int], executed: int):
+        """A window's last `tail.depth` steps left on the device: every row still running took its tokens of
+        those steps there (one a step until its planned steps end). The next window is planned from them
+        (`Sequence.num_pending`); they are appended when delivered."""
         pending = []
-        for i, seq in enumerate(seqs):
-            if not seq.is_finished:
-                seq.num_pending = 1
-                accepted[i] += 1
+        first_held = executed - tail.depth  # the steps after this one are held
+        for i, row in enumerate(rows):
+            seq = row.seq
+            held = min(row.max_steps, executed) - first_held
+            if held > 0 and not seq.is_finished:
+                seq.num_pending = held
+                accepted[i] += held
                 pending.append(seq)
 
         def delivered() -> None:

@@ -51,9 +51,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     prepared: bool = False  # its per-request window state is built (`Executor.prepare`)
-    # Tokens sampled on the device whose values have not reached the host yet: with overlap, the last step
-    # of a window is handed over while the next window runs, and that window's input for this sequence is
-    # the device's copy of the token (`runner.host_stream.WindowTail`). 0 or 1.
+    # Tokens sampled on the device whose values have not reached the host yet: with overlap, the last steps
+    # of a window are handed over while the next window runs, and that window's input for this sequence is
+    # the device's copy of the last token (`runner.host_stream.WindowTail`). At most TAIL_STEPS.
     num_pending: int = 0
     sampling_row: object = None  # the runner's sampling constants for it (`runner.step_inputs.SamplingCache`)
     lora_slot: int = 0  # the model's LoRA weight slot it runs with while admitted (0: the base model)

@@ -13,7 +13,8 @@ from lockstep_engine.engine_core import CoreStats
 from lockstep_engine.llm import LLM
 from lockstep_engine.metrics import CoreMetrics
 from lockstep_engine.runner.cuda_graphs import DecodeGraphs
-from lockstep_engine.runner.host_stream import HostRing, StepStream
+from lockstep_engine.runner import model_runner
+from lockstep_engine.runner.host_stream import HostRing, StepStream, WindowTail
 from lockstep_engine.runner.outputs import StepTag, StepTiming, WindowTimings
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
@@ -71,6 +72,31 @@ def test_overlap_gives_the_tokens_of_windows_that_hand_every_step_over(tiny_base
     stats = llm.engine.core.stats
     assert stats.num_overlapped_windows == stats.num_windows > 0
     assert llm.engine.core.blocks.num_free_blocks == llm.engine.core.blocks.num_blocks
+
+
+@pytest.mark.parametrize("tail_steps", (1, 2, 3))
+def test_a_deeper_tail_gives_the_same_tokens_and_frees_every_block(tiny_base, tail_steps, monkeypatch):
+    """Windows leave their last 1-3 steps to the next: rows that end in them (max_tokens or eos) run there
+    as done rows, and the tokens equal those of windows that hand every step over."""
+    depths = []
+
+    class RecordedTail(WindowTail):
+        def __init__(self, *args):
+            super().__init__(*args)
+            depths.append(self.depth)
+
+    monkeypatch.setattr(model_runner, "TAIL_STEPS", tail_steps)
+    monkeypatch.setattr(model_runner, "WindowTail", RecordedTail)
+    prompts, params = _workload(tail_steps + 10, count=48)
+    expected = _tokens(_tiny(tiny_base, False), prompts, params)
+    llm = _tiny(tiny_base, True, enable_prefix_caching=True)
+    assert _tokens(llm, prompts, params) == expected
+    assert max(depths) == tail_steps and min(depths) >= 1
+    blocks = llm.engine.core.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+    # A block enters the prefix cache only with all its tokens known on the host (none still pending)
+    cached = [block for block in blocks._blocks if block.block_hash is not None]
+    assert cached and all(len(block.token_ids) == blocks.block_size for block in cached)
 
 
 def test_overlap_off_hands_every_step_over(tiny_base):
@@ -225,15 +251,16 @@ class _LandedEvent:
         pass
 
 
-@pytest.mark.parametrize("hold_last", (False, True))
-def test_a_held_stream_keeps_its_newest_step_even_when_its_copy_landed(hold_last):
+@pytest.mark.parametrize("hold", (0, 1, 2))
+@pytest.mark.parametrize("landed", (True, False), ids=("async", "sync"))
+def test_a_held_stream_keeps_its_newest_steps_even_when_their_copies_landed(hold, landed):
     delivered = []
     ring = HostRing(allocate=lambda numel, dtype: torch.empty(numel, dtype=dtype), event_factory=_LandedEvent)
-    stream = StepStream(lambda out: delivered.append(out.step), WindowTimings(), ring, hold_last=hold_last)
-    for step in (1, 2, 3):
-        stream.push(step, torch.tensor([[7, 8], [0, 0]]), None, sync=False)
-    assert delivered == ([1, 2] if hold_last else [1, 2, 3])
+    stream = StepStream(lambda out: delivered.append(out.step), WindowTimings(), ring if landed else None, hold=hold)
+    for step in (1, 2, 3, 4):
+        stream.push(step, torch.tensor([[7, 8], [0, 0]]), None, sync=not landed)
+    assert delivered == [1, 2, 3, 4][:4 - hold] and stream.undelivered == hold
     stream.drain(keep=1)
-    assert delivered == ([1, 2] if hold_last else [1, 2, 3]) and stream.has_undelivered == hold_last
+    assert delivered == [1, 2, 3, 4][:4 - min(hold, 1)] and stream.undelivered == min(hold, 1)
     stream.drain()
-    assert delivered == [1, 2, 3] and not stream.has_undelivered
+    assert delivered == [1, 2, 3, 4] and stream.undelivered == 0

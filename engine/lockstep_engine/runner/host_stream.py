@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from lockstep_engine.runner.outputs import StepOutput, WindowTimings
+from lockstep_engine.runner.outputs import FINISH_NONE, StepOutput, WindowTimings
 
 
 def pinned_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -103,18 +103,18 @@ class StepStream:
     """Hands each step's tokens to the host callback: at once (sync) or as its async copy into a slot of
     the runner's `HostRing` lands.
 
-    With `hold_last`, the newest step is never handed over before the next push or a full drain, even
-    when its copy landed at once (a small batch on a fast device) or was synchronous (the CPU): a window's
-    last step is then still there for the next window to hand over (`WindowTail`)."""
+    With `hold`, the newest `hold` steps are never handed over before later pushes or a drain, even when
+    their copies landed at once (a small batch on a fast device) or were synchronous (the CPU): a window's
+    last steps are then still there for the next window to hand over (`WindowTail`)."""
 
     def __init__(self, on_step: Callable[[StepOutput], None], timings: WindowTimings, ring: HostRing | None,
-                 hold_last: bool = False):
+                 hold: int = 0):
         self.on_step = on_step
         self.timings = timings
         self.ring = ring
-        self.hold_last = hold_last
+        self.hold = hold
         self.copies = CopyQueue(ring, lambda key, values: self._deliver(key[0], values, key[1])) if ring else None
-        self._held: tuple[int, list, bool] | None = None
+        self._held: deque[tuple[int, list, bool]] = deque()  # synchronous steps not handed over yet
         self.last_tokens: list[int] = []
 
     def push(self, step: int, emitted: torch.Tensor, out, sync: bool) -> None:
@@ -126,30 +126,25 @@ class StepStream:
                 tensors += [out.top_ids, out.top_logprobs]
         packed = emitted.dim() == 2
         if sync:
-            values = [x.tolist() for x in tensors]
-            if self.hold_last:
-                self._deliver_held()
-                self._held = (step, values, packed)
-            else:
-                self._deliver(step, values, packed)
+            self._held.append((step, [x.tolist() for x in tensors], packed))
+            self._deliver_held(self.hold)
             return
-        self.copies.push((step, packed), tensors, keep=1 if self.hold_last else 0)
+        self.copies.push((step, packed), tensors, keep=self.hold)
 
     def drain(self, keep: int = 0) -> None:
         """Delivers the steps whose copies are pending, waiting for each, until `keep` are left."""
         if self.copies is not None:
             self.copies.drain(keep)
-        if keep == 0:
-            self._deliver_held()
+        self._deliver_held(keep)
 
     @property
-    def has_undelivered(self) -> bool:
-        return (self.copies is not None and len(self.copies) > 0) or self._held is not None
+    def undelivered(self) -> int:
+        """Steps pushed and not handed over yet."""
+        return (len(self.copies) if self.copies is not None else 0) + len(self._held)
 
-    def _deliver_held(self) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._deliver(*held)
+    def _deliver_held(self, keep: int) -> None:
+        while len(self._held) > keep:
+            self._deliver(*self._held.popleft())
 
     def _deliver(self, step: int, values: list, packed: bool) -> None:
         tokens, finish = values[0] if packed else (values[0], None)
@@ -165,21 +160,23 @@ class StepStream:
 
 
 class WindowTail:
-    """A window's last step, launched but not handed to the host yet (overlap: the host plans the next
-    window meanwhile). The next window's first step takes each continuing row's token and done flag from
-    `tokens` and `done` on the device, and hands this step over (`deliver`) once its own first step is
-    queued, so the device runs the next window while the host reads this one.
+    """A window's last `depth` steps, launched but not handed to the host yet (overlap: the host plans the
+    next window meanwhile). The next window's first step takes each continuing row's token and done flag
+    from `tokens` and `done` on the device, and hands these steps over (`deliver`) once its own first step
+    is queued, so the device runs the next window while the host reads this one.
 
-    `tokens` (each row's last token) and `finish` (its finish code at the last step, FINISH_*) are the
-    window's device state after its last step ([rows] of its sampling rows, in the window's order): the
-    next window reads them in its first step, queued before anything that overwrites them. A row that
-    finished at that step runs in the next window as a done row (no writes, no tokens) until the host
-    learns of its finish."""
+    `tokens` (each row's last token) and `done` (whether it ended at one of those steps, or before: the
+    host knows only of ends before them) are the window's device state after its last step ([rows] of its
+    sampling rows, in the window's order): `done` is computed here, `tokens` is read by the next window's
+    first step, queued before anything that overwrites it. A row that ended at those steps runs in the
+    next window as a done row (no writes, no tokens) until the host learns of its end."""
 
-    def __init__(self, stream: StepStream, tokens: torch.Tensor, finish: torch.Tensor, seqs: list):
+    def __init__(self, stream: StepStream, tokens: torch.Tensor, emitted: torch.Tensor, seqs: list, depth: int = 1):
         self._stream = stream
         self.tokens = tokens
-        self.finish = finish
+        # emitted: the last step's [token, finish code] rows; a row that ended at an earlier step emitted -1
+        self.done = (emitted[1] != FINISH_NONE) | (emitted[0] < 0)
+        self.depth = depth
         self._row_of = {seq: row for row, seq in enumerate(seqs)}
         self.on_delivered: Callable[[], None] | None = None
         self.delivered = False
@@ -189,7 +186,7 @@ class WindowTail:
         return np.fromiter(map(self._row_of.__getitem__, seqs), np.int64, len(seqs))
 
     def deliver(self) -> None:
-        """Hands the last step to the host callback (once; waits for its copy to land)."""
+        """Hands the steps to the host callback (once; waits for their copies to land)."""
         if self.delivered:
             return
         self.delivered = True

@@ -388,7 +388,7 @@ class ModelRunner:
         # whole window is launched without waiting; tokens reach the host as each step's copy lands.
         # The choice depends on the plan only, so every rank of a group loops alike.
         stream_async = self.host_ring is not None and not has_guided_rows(sampling_rows)
-        outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail)
+        outputs = StepStream(on_step, timings, self.host_ring, hold=TAIL_STEPS if defer_tail else 0)
         outputs.push(1, state.emitted, out, sync=not stream_async)
         if guide is not None:
             guide.accept(outputs.last_tokens)
@@ -419,13 +419,14 @@ class ModelRunner:
 
     def _end_window(self, outputs: StepStream, timings: WindowTimings, sampling_rows, last: dict,
                     defer_tail: bool) -> WindowTimings:
-        """Hands the window's steps over, all of them or all but the last (`WindowTail`, with `last`: the
-        device's tokens and emitted [token, finish] rows after the last step)."""
+        """Hands the window's steps over, all of them or all but the last TAIL_STEPS (`WindowTail`, with
+        `last`: the device's tokens and emitted [token, finish] rows after the last step)."""
         rows = len(sampling_rows)
-        if defer_tail and outputs.has_undelivered:
-            outputs.drain(keep=1)
-            timings.tail = WindowTail(outputs, last["tokens"][:rows], last["emitted"][1, :rows],
-                                      [row.seq for row in sampling_rows])
+        depth = min(TAIL_STEPS, outputs.undelivered) if defer_tail else 0
+        if depth:
+            outputs.drain(keep=depth)
+            timings.tail = WindowTail(outputs, last["tokens"][:rows], last["emitted"][:, :rows],
+                                      [row.seq for row in sampling_rows], depth)
         else:
             outputs.drain()
         timings.steps = self.clock.harvest()
@@ -449,7 +450,7 @@ class ModelRunner:
                        defer_tail: bool) -> WindowTimings:
         """All steps of a decode-only window as graph replays; tokens stream as each step's copy lands."""
         clock, rows_n = self.clock, len(sampling_rows)
-        outputs = StepStream(on_step, timings, self.host_ring, hold_last=defer_tail)
+        outputs = StepStream(on_step, timings, self.host_ring, hold=TAIL_STEPS if defer_tail else 0)
         emitted = graph.inputs["emitted"][:, :rows_n]
         for step in range(1, num_steps + 1):
             if step > 1 and should_cut is not None and _cut(outputs, should_cut):
@@ -475,6 +476,14 @@ def _deliver(tail: WindowTail | None, timings: WindowTimings) -> None:
 # Steps launched ahead of the host when a window may be cut: one runs while the host reads the one
 # before, so the device never waits for the host, and a cut wastes at most this many steps' time.
 CUT_LAUNCH_AHEAD = 1
+# Overlap: the steps a window leaves on the device for the next to hand over (`WindowTail`). The host's
+# work between windows (update, schedule, the next window's inputs; about 2.5 ms a window for SmolLM2 at
+# rate inf on an H100 host) runs while they do, so one step hides it where steps are long (Llama-3-8B's
+# 10 ms) and not where they are short (SmolLM2's 1.5-2 ms). More than one holds the host's knowledge of
+# finishes back by as many steps: a row that ends in them costs the next window a done row. Any depth
+# gives the same tokens (tests/engine/test_overlap.py); 2 is built and tested but not yet measured
+# served, so the default stays 1.
+TAIL_STEPS = 1
 
 
 def _cut(outputs: StepStream, should_cut: Callable[[], bool]) -> bool:

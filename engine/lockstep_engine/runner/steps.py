@@ -192,7 +192,7 @@ class Steps:
             source = views["carry_source"]
             views["input_ids"].index_copy_(0, views["carry_token"], tail.tokens.index_select(0, source))
             initial_done = torch.zeros(len(sampling_rows), dtype=torch.bool, device=self.device)
-            initial_done.index_copy_(0, views["carry_sample"], tail.finish.index_select(0, source).ne(FINISH_NONE))
+            initial_done.index_copy_(0, views["carry_sample"], tail.done.index_select(0, source))
         seq_lens = host["seq_lens"]
         meta = AttentionMetadata(
             slot_mapping=views["slots"], block_tables=views["block_table"], seq_lens=views["seq_lens"],
