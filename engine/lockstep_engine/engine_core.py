@@ -322,7 +322,7 @@ class EngineCore:
         accepted = rows.accepted()
         executed = timings.num_steps
         if timings.tail is not None:
-            self._tail = self._hold_tail(timings.tail, plan.sampling_rows, accepted, executed)
+            self._tail = timings.tail.hold(plan.sampling_rows, accepted, executed)
         stats = self.stats
         stats.num_cut_windows += cut
         stats.num_wasted_tokens += self.scheduler.complete_rows(plan.rows, _per_row(plan.rows, accepted), executed)
@@ -342,28 +342,6 @@ class EngineCore:
         if not self._busy:
             self._deliver_tail()
             self.executor.on_idle()
-
-    @staticmethod
-    def _hold_tail(tail, rows: list[ScheduledSeq], accepted: list[int], executed: int):
-        """A window's last `tail.depth` steps left on the device: every row still running took its tokens of
-        those steps there (one a step until its planned steps end). The next window is planned from them
-        (`Sequence.num_pending`); they are appended when delivered."""
-        pending = []
-        first_held = executed - tail.depth  # the steps after this one are held
-        for i, row in enumerate(rows):
-            seq = row.seq
-            held = min(row.max_steps, executed) - first_held
-            if held > 0 and not seq.is_finished:
-                seq.num_pending = held
-                accepted[i] += held
-                pending.append(seq)
-
-        def delivered() -> None:
-            for seq in pending:
-                seq.num_pending = 0
-
-        tail.on_delivered = delivered
-        return tail
 
     def _deliver_tail(self) -> None:
         """Hands the last window's last step over now: no window follows to overlap it."""

@@ -33,6 +33,7 @@ from lockstep_engine.api.openai_models import (
     SamplingFields,
 )
 from lockstep_engine.api.server_defaults import ServerDefaults
+from lockstep_engine.api.tokenize import inline_prompt
 from lockstep_engine.sampling_params import SamplingParams, SamplingParamsError
 from lockstep_engine.validation import MAX_PROMPTS, validate_batch, validate_messages, validate_request
 
@@ -278,7 +279,7 @@ class OpenAIServing:
             raise bad_request("best_of: only best_of=1 is supported", "best_of")
         # Tokenizing a large prompt takes seconds: off the event loop, so /health and streams go on. Token ids
         # and short texts stay on it: the hop to a worker thread costs the loop more than they do.
-        if _inline_prompt(body.prompt):
+        if inline_prompt(body.prompt):
             prompts, texts = self.completion_prompts(body)
         else:
             prompts, texts = await asyncio.to_thread(self.completion_prompts, body)
@@ -486,20 +487,3 @@ class OpenAIServing:
             watcher.cancel()
         self.client.release(generation)
 
-
-# A completion prompt read on the event loop rather than in a worker thread (`create_completion`): the hop
-# costs the loop more than tokenizing this much text or copying this many token ids does.
-INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS = 2048, 16384
-
-
-def _inline_prompt(prompt) -> bool:
-    items = [prompt] if isinstance(prompt, str) or prompt and isinstance(prompt[0], int) else prompt
-    if not isinstance(items, list):
-        return False
-    chars = ids = 0
-    for item in items:
-        if isinstance(item, str):
-            chars += len(item)
-        elif isinstance(item, list):
-            ids += len(item)
-    return chars <= INLINE_PROMPT_CHARS and ids <= INLINE_PROMPT_IDS

@@ -31,3 +31,21 @@ def detokenize(serving, body: DetokenizeRequest) -> dict:
     if bad is not None:
         raise bad_request(f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
     return {"prompt": serving.decode(body.tokens)}
+
+
+# A completion prompt read on the event loop rather than in a worker thread (`OpenAIServing.create_completion`):
+# the hop costs the loop more than tokenizing this much text or copying this many token ids does.
+INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS = 2048, 16384
+
+
+def inline_prompt(prompt) -> bool:
+    items = [prompt] if isinstance(prompt, str) or prompt and isinstance(prompt[0], int) else prompt
+    if not isinstance(items, list):
+        return False
+    chars = ids = 0
+    for item in items:
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, list):
+            ids += len(item)
+    return chars <= INLINE_PROMPT_CHARS and ids <= INLINE_PROMPT_IDS

@@ -185,6 +185,28 @@ class WindowTail:
         """Each sequence's row in this window (KeyError: a sequence this window did not run)."""
         return np.fromiter(map(self._row_of.__getitem__, seqs), np.int64, len(seqs))
 
+    def hold(self, rows: list, accepted: list[int], executed: int) -> "WindowTail":
+        """Counts the tokens the window's sampling `rows` (`ScheduledSeq`, in the window's order) took in
+        the held steps as taken: each running row one a step until its planned steps end, in `accepted`
+        (tokens per row of the `executed` steps) and `Sequence.num_pending`, so the next window is planned
+        from them. They are appended, and the counts cleared, when the steps are delivered."""
+        pending = []
+        first_held = executed - self.depth  # the steps after this one are held
+        for i, row in enumerate(rows):
+            seq = row.seq
+            held = min(row.max_steps, executed) - first_held
+            if held > 0 and not seq.is_finished:
+                seq.num_pending = held
+                accepted[i] += held
+                pending.append(seq)
+
+        def delivered() -> None:
+            for seq in pending:
+                seq.num_pending = 0
+
+        self.on_delivered = delivered
+        return self
+
     def deliver(self) -> None:
         """Hands the steps to the host callback (once; waits for their copies to land)."""
         if self.delivered:
