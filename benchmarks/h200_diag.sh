@@ -33,7 +33,8 @@ runs() {  # the engine's own figures of each served run
 import json, sys
 for row in json.load(open(sys.argv[1])).get("runs", []):
     print({k: row.get(k) for k in ("label", "req_per_s", "idle_fraction", "median_boundary_gap_us", "host_s",
-                                   "busy_by_phase", "forwards_by_phase", "windows", "steps", "overlapped_windows")})
+                                   "busy_by_phase", "forwards_by_phase", "gap_by_boundary", "windows", "steps",
+                                   "overlapped_windows", "longest_output_ttft_s", "longest_output_e2el_s", "duration_s")})
 PY
 }
 
