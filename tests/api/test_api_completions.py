@@ -36,13 +36,13 @@ def test_token_id_prompts_give_the_same_text_as_their_text(smol8, offline_smollm
 
 def test_prompts_read_on_the_loop_and_in_a_worker_give_the_same_text(smol8, offline_smollm2):
     """Short prompts are read on the event loop, long ones in a worker thread: same tokens either way."""
-    from lockstep_engine.api.tokenize import INLINE_PROMPT_CHARS, inline_prompt
+    from lockstep_engine.api.tokenize import INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS, inline_prompt
 
     long_text = " ".join(["The quick brown fox jumps over the lazy dog."] * (INLINE_PROMPT_CHARS // 40))
     assert len(long_text) > INLINE_PROMPT_CHARS and not inline_prompt(long_text)
     assert not inline_prompt([PROMPTS[0], long_text]) and inline_prompt(PROMPTS) and inline_prompt([1, 2])
     ids = offline_smollm2.tokenizer.encode(long_text)
-    assert not inline_prompt([ids] * (16384 // len(ids) + 1)) and inline_prompt(ids)
+    assert not inline_prompt([ids] * (INLINE_PROMPT_IDS // len(ids) + 1)) and inline_prompt(ids)
     client = smol8.client()
     by_text = client.completions.create(model="smollm2", prompt=[long_text, PROMPTS[0]], max_tokens=8, temperature=0)
     by_ids = client.completions.create(model="smollm2", prompt=[ids, offline_smollm2.tokenizer.encode(PROMPTS[0])],

@@ -486,4 +486,3 @@ class OpenAIServing:
         finally:
             watcher.cancel()
         self.client.release(generation)
-
