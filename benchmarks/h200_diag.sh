@@ -110,10 +110,12 @@ splits-served)
         && served_small 110 "prev=")
     ;;
 variant)  # carrying .whl/variant (this tree changed, copied there): random:smollm2-135m served, this tree then it
-    served_small 200 "head="
+    # (VARIANT_FIRST=1: the variant first)
+    [ -z "${VARIANT_FIRST:-}" ] && served_small 200 "head="
     mkdir -p "$OUT/variant"
     (cd .whl/variant && export OUT=$OUT/variant PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway \
         && served_small 200 "variant=")
+    [ -n "${VARIANT_FIRST:-}" ] && served_small 200 "head="
     ;;
 overlap-tail)  # carrying .whl/variant (this tree with another TAIL_STEPS): the overlap and decode-graph tests on
     # CUDA, then random:smollm2-135m served by this tree and the variant, twice, alternating
