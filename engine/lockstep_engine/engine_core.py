@@ -127,6 +127,8 @@ class EngineCore:
         if config.speculative_config is not None:  # a draft model loads now: one that cannot be used fails the start
             executor.runner.draft_model(config.speculative_config)
         self._tail = None  # the last window's undelivered last step (`runner.host_stream.WindowTail`)
+        # Overlap: running sequences whose filled blocks enter the prefix cache after the next launch
+        self._unhashed: list[Sequence] = []
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -215,6 +217,8 @@ class EngineCore:
         """
         released, self._pending_release = self._pending_release, []
         for seq in released:
+            if self._unhashed:  # (a no-op for a sequence with nothing left to hash)
+                self.blocks.register_computed_blocks(seq)
             self.scheduler.finish(seq, seq.status)
         for request in dict.fromkeys(seq.request for seq in released):
             done = request.is_finished or request.aborted and all(s.is_finished for s in request.sequences)
@@ -299,6 +303,8 @@ class EngineCore:
                 except Exception:
                     self.fail_request(request.request_id, "taking its prompt logprobs")
             return
+        if self._unhashed:
+            self._hash_blocks()
         tokens = list(step.tokens)  # the runner's list is also its guide's input: not changed here
         outputs = []
         for i in rows.per_row_now(step.finish):
@@ -325,7 +331,9 @@ class EngineCore:
             self._tail = timings.tail.hold(plan.sampling_rows, accepted, executed)
         stats = self.stats
         stats.num_cut_windows += cut
-        stats.num_wasted_tokens += self.scheduler.complete_rows(plan.rows, _per_row(plan.rows, accepted), executed)
+        unhashed = self._unhashed if self._tail is not None else None  # the next window's launch comes first
+        stats.num_wasted_tokens += self.scheduler.complete_rows(plan.rows, _per_row(plan.rows, accepted), executed,
+                                                                unhashed)
         self._release_finished()
         self._busy = self.scheduler.has_work()  # the next window follows at once: its wait is a gap
         stats.num_windows += 1
@@ -349,6 +357,13 @@ class EngineCore:
         if tail is not None:
             tail.deliver()
             self._release_finished()
+
+    def _hash_blocks(self) -> None:
+        """What `_complete` left for after the next launch, run by the tail's delivery (`_take_step`). One
+        released or preempted before registers then (`_release_finished`, `Scheduler._preempt`)."""
+        unhashed, self._unhashed = self._unhashed, []
+        for seq in unhashed:
+            self.blocks.register_computed_blocks(seq)
 
     def _prepare(self, plan: WindowPlan) -> WindowPlan | None:
         """Prepares the sequences new to windows (`Executor.prepare`, once per sequence). A request whose

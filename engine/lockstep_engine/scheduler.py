@@ -267,6 +267,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.blocks.register_computed_blocks(seq)  # any the engine left for later: its recompute may hit them
         self.blocks.free(seq)
         self._release_slot(seq)
         seq.num_computed = 0
@@ -362,10 +363,15 @@ class Scheduler:
         """Records that a row fed its step-1 tokens and then `num_sampled - 1` sampled tokens."""
         self.complete_rows([row], [num_sampled], 0)
 
-    def complete_rows(self, rows: list[ScheduledSeq], sampled: list[int], executed: int) -> int:
+    def complete_rows(self, rows: list[ScheduledSeq], sampled: list[int], executed: int,
+                      unhashed: list[Sequence] | None = None) -> int:
         """`complete_row` for a window's rows (`sampled`: each row's sampled tokens, 0 where it does not
         sample) in one pass: it runs for every row of every window. Returns the tokens wasted: the steps
-        of the `executed` that a sampling row whose sequence finished computed after its last token."""
+        of the `executed` that a sampling row whose sequence finished computed after its last token.
+
+        With `unhashed`, a running sequence that filled a block is appended to it instead of entering
+        the prefix cache now: the caller hashes its blocks later (`BlockManager.register_computed_blocks`),
+        once the next window runs. A finished one registers now, before its blocks are released."""
         blocks = self.blocks
         size, caching = blocks.block_size, blocks.enable_prefix_caching
         wasted = 0
@@ -382,7 +388,10 @@ class Scheduler:
             # sequence that finished in this window registers too (its blocks are still held here and
             # released after): a short request's prompt is computed in the window it ends in.
             if caching and computed >= (seq.num_hashed_blocks + 1) * size:
-                blocks.register_computed_blocks(seq)
+                if unhashed is None or seq.is_finished:
+                    blocks.register_computed_blocks(seq)
+                else:
+                    unhashed.append(seq)
         return wasted
 
     def fork_ready_requests(self, requests: list[Request]) -> None:

@@ -208,6 +208,35 @@ def test_an_abort_while_a_tail_is_pending_ends_that_request_alone(tiny_base, win
     assert core.blocks.num_free_blocks == core.blocks.num_blocks and not core.requests
 
 
+def _cached_blocks(core) -> set[tuple[int, ...]]:
+    return {block.token_ids for block in core.blocks._blocks if block.block_hash is not None}
+
+
+@pytest.mark.parametrize("abort_at", (None, 2, 3))
+def test_blocks_filled_under_overlap_enter_the_prefix_cache_as_without_it(tiny_base, abort_at):
+    """Under overlap a window's filled blocks are hashed after the next window is launched, not on the
+    way to launching it. Every full block of tokens computed and on the host still enters the prefix
+    cache, an aborted request's included, and without an abort the cache ends as the synchronous one."""
+    rng = random.Random(5)
+    requests = {name: ([rng.randrange(1, 250) for _ in range(length)], max_tokens)
+                for name, length, max_tokens in (("a", 37, 45), ("b", 16, 33), ("c", 50, 3), ("d", 5, 60))}
+    size = tiny_base.engine.core.blocks.block_size
+    sync_core = _tiny(tiny_base, False, enable_prefix_caching=True).engine.core
+    _run_core(sync_core, requests)
+    core = _tiny(tiny_base, True, enable_prefix_caching=True).engine.core
+    got = _run_core(core, requests, abort=None if abort_at is None else ("a", abort_at))
+    cached = _cached_blocks(core)
+    for name, (prompt, _) in requests.items():
+        computed = (prompt + got[name])[:-1]  # the last token sampled was never fed back
+        full = [tuple(computed[i:i + size]) for i in range(0, len(computed) - size + 1, size)]
+        assert full and set(full) <= cached, name
+    if abort_at is None:
+        assert cached == _cached_blocks(sync_core)
+    else:
+        assert len(got["a"]) < requests["a"][1]
+    assert not core._unhashed and core.blocks.num_free_blocks == core.blocks.num_blocks
+
+
 @pytest.fixture(scope="module")
 def smollm2_pair(make_llm):
     return make_llm(num_scheduler_steps=8, async_scheduling=False), make_llm(num_scheduler_steps=8,
