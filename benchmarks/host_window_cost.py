@@ -41,12 +41,14 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8, help="num_scheduler_steps")
     parser.add_argument("--windows", type=int, default=30, help="decode windows timed")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="overlap, as on CUDA: each window's last step is handed over by the next")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = parser.parse_args()
     # 64 blocks of 16 tokens per sequence are plenty for the timed windows; a smaller cache than the
     # CPU default (2 GiB) makes the reference attention's gathers, and so the benchmark, faster.
     llm = LLM("random:tiny", num_scheduler_steps=args.steps, max_num_seqs=args.batch, max_model_len=2048,
-              device="cpu", num_gpu_blocks_override=64 * args.batch)
+              device="cpu", num_gpu_blocks_override=64 * args.batch, async_scheduling=args.async_scheduling)
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
