@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 from api_harness import Server
 from openai import OpenAI
@@ -48,3 +51,25 @@ def test_requests_queued_behind_a_long_one_outlast_the_idle_timeout_and_are_serv
     assert waits[-1] > 2 * IDLE_TIMEOUT_S, f"no request waited past the idle timeout ({waits}); make them longer"
     assert all(finish == "length" for _, finish, _ in results), results
     assert all(tokens == max_tokens for tokens, _, _ in results), results
+
+
+def test_a_stream_fails_once_the_engine_is_silent_for_the_idle_timeout(one_seat):
+    """The engine core frozen (SIGSTOP) for less than the 5-s heartbeat timeout: it is not declared dead,
+    but the stream waiting on it ends with an error event once no token came for the idle timeout; the
+    core, running again, serves the next request."""
+    core = one_seat.core_pid()
+    stream = one_seat.client().completions.create(model="random:tiny", prompt=[1, 2, 3], max_tokens=2000,
+                                                  stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    os.kill(core, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APIError) as raised:
+            for _ in stream:
+                pass
+        waited = time.monotonic() - started
+    finally:
+        os.kill(core, signal.SIGCONT)
+    assert "no output from the engine" in str(raised.value), raised.value
+    assert IDLE_TIMEOUT_S <= waited < 4.0, waited
+    assert _stream(one_seat.url, 5) == (5, "length", pytest.approx(0.0, abs=60))

@@ -19,7 +19,6 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lockstep_common.processes import stop_processes
@@ -63,7 +62,9 @@ class Generation:
     error: Exception | None = None
     last_emitted_at: float = 0.0  # StepOutputs.emitted_at of the latest update (for latency metrics)
     unannounced: int = -1  # tokens since `updated` was last set for tokens (-1: none announced yet, the first goes at once)
-    engine_output_at: Callable[[], float] | None = None  # when the engine last sent tokens for any request
+    waiting_since: float | None = None  # time.monotonic() when the current `wait` began; None: not waiting
+    idle_timeout_s: float = 0.0  # the current `wait`'s timeout
+    timed_out: bool = False  # set by the client's watchdog (`EngineCoreClient._expire_idle`)
 
     @property
     def finished(self) -> bool:
@@ -72,14 +73,19 @@ class Generation:
     async def wait(self, timeout_s: float) -> None:
         """Waits for news (tokens, a finish or an error); raises on an error or a timeout. The timeout
         counts the engine's silence, not this request's: while the engine sends tokens for others (this
-        request waits in its queue, or was preempted back to it), the wait goes on."""
-        while self.error is None and not self.finished and not self.updated.is_set():
+        request waits in its queue, or was preempted back to it), the wait goes on. The client's watchdog
+        ends the wait once neither the wait began nor the engine sent tokens within `timeout_s`; no timer
+        is armed per wait (a stream waits once per update, and a timer cost as much as the wake-up)."""
+        if self.error is None and not self.finished and not self.updated.is_set():
+            self.idle_timeout_s, self.waiting_since = timeout_s, time.monotonic()
             try:
-                await _wait_event(self.updated, timeout_s)
-                break
-            except asyncio.TimeoutError:
-                if self.engine_output_at is None or time.monotonic() - self.engine_output_at() >= timeout_s:
-                    raise
+                await self.updated.wait()
+            finally:
+                self.waiting_since = None
+            if self.timed_out and self.error is None:
+                self.timed_out = False
+                self.updated.clear()
+                raise asyncio.TimeoutError
         self.updated.clear()
         if self.error is not None:
             raise self.error
@@ -91,19 +97,6 @@ class Generation:
             await self.wait(idle_timeout_s)
         except asyncio.TimeoutError:
             raise EngineDeadError(f"no output from the engine for {idle_timeout_s:.0f} s") from None
-
-
-async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
-    """`event.wait()` within `timeout_s` (asyncio.TimeoutError after): a stream waits once per update, and
-    `asyncio.timeout` (3.11+) costs about half of `asyncio.wait_for`, which wraps the wait in a task."""
-    if _timeout is None:
-        await asyncio.wait_for(event.wait(), timeout_s)
-        return
-    async with _timeout(timeout_s):
-        await event.wait()
-
-
-_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 
 @dataclass
@@ -226,7 +219,7 @@ class EngineCoreClient:
         sampling = params.to_dict()
         states = [self.processor.add_request(rid, text, ids, params)
                   for rid, ids, text in zip(request_ids, prompts, prompt_texts)]
-        generation = Generation(list(request_ids), states, engine_output_at=lambda: self._last_output_at)
+        generation = Generation(list(request_ids), states)
         now = time.monotonic()
         for rid, ids in zip(request_ids, prompts):
             self._generations[rid] = generation
@@ -381,6 +374,16 @@ class EngineCoreClient:
                 self._mark_dead(f"no heartbeat from the engine core for {now - self._last_heard:.1f} s")
             elif now - self._loop_progress_at > self.timeouts.loop_stall_s:
                 self._mark_dead(f"the engine core loop made no progress for {now - self._loop_progress_at:.1f} s")
+            elif now - self._last_output_at >= WATCHDOG_INTERVAL_S:  # while tokens flow, no wait can be over
+                self._expire_idle(now)
+
+    def _expire_idle(self, now: float) -> None:
+        """Ends each `Generation.wait` whose timeout passed with the engine silent since the wait began."""
+        for generation in {id(g): g for g in self._generations.values()}.values():  # one a prompt each
+            since = generation.waiting_since
+            if since is not None and now - max(since, self._last_output_at) >= generation.idle_timeout_s:
+                generation.timed_out = True
+                generation.updated.set()
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
