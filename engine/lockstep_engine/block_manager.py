@@ -181,8 +181,10 @@ class BlockManager:
             return
         size = self.block_size
         # A block's last tokens may be computed on the device and not on the host yet (`Sequence.num_pending`):
-        # it is hashed once they are.
-        num_full = min(min(seq.num_computed, len(seq.token_ids)) // size, len(seq.block_ids))
+        # it is hashed once they are. A finished sequence's last token may never have been fed (its slot
+        # holds no KV), and its `num_computed` may count steps planned past its end: it stops before that token.
+        on_host = len(seq.token_ids) - seq.is_finished
+        num_full = min(min(seq.num_computed, on_host) // size, len(seq.block_ids))
         while seq.num_hashed_blocks < num_full:
             index = seq.num_hashed_blocks
             parent_hash = seq.block_hashes[index - 1] if index else _root_hash(seq)

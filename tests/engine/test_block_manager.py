@@ -2,7 +2,7 @@
 
 from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.sampling_params import SamplingParams
-from lockstep_engine.sequence import Request
+from lockstep_engine.sequence import Request, SequenceStatus
 
 
 def _seq(tokens, n=1, request_id="r"):
@@ -72,3 +72,22 @@ def test_cached_blocks_are_evicted_least_recently_released_first():
     assert blocks.num_free_blocks == 0
     blocks.free(big)
     assert blocks.allocate_cached_prefix(_seq(range(6), request_id="late")) == 0
+
+
+def test_a_finished_sequences_last_token_never_enters_the_prefix_cache():
+    """A sequence that ended in a step still pending when its window closed had steps planned past its
+    end counted (`num_computed` 10 here), and its last token was sampled, never fed: the block it ends
+    holds no KV for that slot, so only the blocks before it are cached. Running, every token on the host
+    counts (the next step feeds the last one)."""
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    ended = _seq(range(8), request_id="ended")
+    blocks.try_reserve(ended, 10)
+    ended.num_computed = 10
+    ended.status = SequenceStatus.FINISHED_STOPPED
+    blocks.register_computed_blocks(ended)
+    assert ended.num_hashed_blocks == 1
+    running = _seq(range(8), request_id="running")
+    blocks.try_reserve(running, 10)
+    running.num_computed = 8
+    blocks.register_computed_blocks(running)
+    assert running.num_hashed_blocks == 2

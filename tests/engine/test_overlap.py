@@ -212,14 +212,19 @@ def _cached_blocks(core) -> set[tuple[int, ...]]:
     return {block.token_ids for block in core.blocks._blocks if block.block_hash is not None}
 
 
+@pytest.mark.parametrize("tail_steps", (1, 2, 3))
 @pytest.mark.parametrize("abort_at", (None, 2, 3))
-def test_blocks_filled_under_overlap_enter_the_prefix_cache_as_without_it(tiny_base, abort_at):
+def test_blocks_filled_under_overlap_enter_the_prefix_cache_as_without_it(tiny_base, abort_at, tail_steps,
+                                                                          monkeypatch):
     """Under overlap a window's filled blocks are hashed after the next window is launched, not on the
     way to launching it. Every full block of tokens computed and on the host still enters the prefix
-    cache, an aborted request's included, and without an abort the cache ends as the synchronous one."""
+    cache, an aborted request's and one that ended in a pending step included, and without an abort the
+    cache ends as the synchronous one: no block whose last slot was never fed (e's 32 tokens end a block)."""
+    monkeypatch.setattr(model_runner, "TAIL_STEPS", tail_steps)
     rng = random.Random(5)
     requests = {name: ([rng.randrange(1, 250) for _ in range(length)], max_tokens)
-                for name, length, max_tokens in (("a", 37, 45), ("b", 16, 33), ("c", 50, 3), ("d", 5, 60))}
+                for name, length, max_tokens in (("a", 37, 45), ("b", 16, 33), ("c", 50, 3), ("d", 5, 60),
+                                                 ("e", 16, 16))}
     size = tiny_base.engine.core.blocks.block_size
     sync_core = _tiny(tiny_base, False, enable_prefix_caching=True).engine.core
     _run_core(sync_core, requests)

@@ -481,9 +481,10 @@ CUT_LAUNCH_AHEAD = 1
 # rate inf on an H100 host) runs while they do, so one step hides it where steps are long (Llama-3-8B's
 # 10 ms) and not where they are short (SmolLM2's 1.5-2 ms). More than one holds the host's knowledge of
 # finishes back by as many steps: a row that ends in them costs the next window a done row. Any depth
-# gives the same tokens (tests/engine/test_overlap.py); 2 is built and tested but not yet measured
-# served, so the default stays 1.
-TAIL_STEPS = 1
+# gives the same tokens (tests/engine/test_overlap.py). Served on an H100 (docs/BENCHMARKS.md): 2 halved
+# SmolLM2's idle time between windows against 1 (+3-6% req/s), 3 gained nothing over 2, and
+# Llama-3-8B was level.
+TAIL_STEPS = 2
 
 
 def _cut(outputs: StepStream, should_cut: Callable[[], bool]) -> bool:
