@@ -75,6 +75,7 @@ class CoreMetrics:
         self._schedule_s = 0.0
         self._update_s = 0.0
         self._recent_steps: deque[tuple[float, float, float]] = deque()  # (recorded at, busy, idle before it)
+        self._recent_busy = self._recent_idle = 0.0  # their sums: the gauge is read 20 times a second
         self.changed = False
 
     @property
@@ -84,9 +85,13 @@ class CoreMetrics:
         requests is not the device waiting for the host."""
         recent, horizon = self._recent_steps, time.monotonic() - OCCUPANCY_WINDOW_S
         while recent and recent[0][0] < horizon:
-            recent.popleft()
-        busy = sum(step[1] for step in recent)
-        idle = sum(step[2] for step in recent)
+            _, busy, idle = recent.popleft()
+            self._recent_busy -= busy
+            self._recent_idle -= idle
+        if not recent:  # no rounding left over in the sums
+            self._recent_busy = self._recent_idle = 0.0
+            return 0.0
+        busy, idle = max(self._recent_busy, 0.0), max(self._recent_idle, 0.0)
         return busy / (busy + idle) if busy > 0 else 0.0
 
     def record_window(self, stats, timings) -> None:
@@ -100,7 +105,10 @@ class CoreMetrics:
         now = time.monotonic()
         for timed in timings.steps:
             phase, boundary = timed.tag.phase, "window_start" if timed.tag.step == 1 else "intra"
-            self._recent_steps.append((now, timed.forward_s, max(timed.gap_s or 0.0, 0.0)))
+            idle = max(timed.gap_s or 0.0, 0.0)
+            self._recent_steps.append((now, timed.forward_s, idle))
+            self._recent_busy += timed.forward_s
+            self._recent_idle += idle
             s.observe(n.STEP_DURATION, (phase,), timed.forward_s)
             s.inc(n.GPU_BUSY, (phase,), timed.forward_s)
             s.inc(n.STEPS, (phase, boundary), 1)

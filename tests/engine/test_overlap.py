@@ -5,12 +5,14 @@ arrival cuts, aborts, stop strings, preemption, prefix hits, forks. On the CPU t
 last step back so the same code paths run (the CPU default is off)."""
 
 import random
+import time
 
 import pytest
 import torch
 
 from lockstep_engine.engine_core import CoreStats
 from lockstep_engine.llm import LLM
+from lockstep_engine import metrics as metrics_module
 from lockstep_engine.metrics import CoreMetrics
 from lockstep_engine.runner.cuda_graphs import DecodeGraphs
 from lockstep_engine.runner import model_runner
@@ -261,7 +263,7 @@ def test_stop_strings_and_eos_under_overlap(smollm2_pair):
     assert on.engine.core.stats.num_overlapped_windows > 0
 
 
-def test_occupancy_is_busy_over_busy_and_idle_of_recent_forwards():
+def test_occupancy_is_busy_over_busy_and_idle_of_recent_forwards(monkeypatch):
     metrics = CoreMetrics()
     assert metrics.occupancy == 0.0
     timings = WindowTimings(num_steps=3, steps=[
@@ -270,6 +272,13 @@ def test_occupancy_is_busy_over_busy_and_idle_of_recent_forwards():
         StepTiming(StepTag(1, "decode", 4), forward_s=0.010, gap_s=0.001)])
     metrics.record_window(CoreStats(num_windows=1, num_steps=3, num_overlapped_windows=1), timings)
     assert metrics.occupancy == pytest.approx(0.028 / 0.030)
+    # Forwards older than the gauge's span drop out of it; later ones count alone.
+    later = time.monotonic() + metrics_module.OCCUPANCY_WINDOW_S + 1
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: later)
+    assert metrics.occupancy == 0.0
+    metrics.record_window(CoreStats(num_windows=2, num_steps=4, num_overlapped_windows=2), WindowTimings(
+        num_steps=1, steps=[StepTiming(StepTag(1, "decode", 4), forward_s=0.002, gap_s=0.002)]))
+    assert metrics.occupancy == pytest.approx(0.5)
 
 
 class _LandedEvent:
