@@ -32,6 +32,7 @@ from lockstep_engine.group.executor import load_engine
 from lockstep_engine.guided import TEMPLATE_ATTR
 from lockstep_engine.log import log
 from lockstep_engine.metrics import CoreMetrics
+from lockstep_engine.runner.outputs import WindowTimings
 from lockstep_engine.sampling_params import SamplingParams
 from lockstep_engine.sequence import Request
 from lockstep_engine.warmup import warm_up
@@ -331,6 +332,8 @@ class CoreLoop:
                 self._send_failures()  # those of the window's preparation and its last step
                 if timings is not None:
                     self.metrics.record_window(self.core.take_stats(), timings)
+                elif self.core.stats.step_batch_sizes:  # the last window's tail, delivered with no window after it
+                    self.metrics.record_window(self.core.take_stats(), WindowTimings())
             self._publish_stats()
             self.writer.prune(self._known_ids())
 

@@ -60,6 +60,7 @@ class CoreStats:
     decode_step_batch: list[int] = field(default_factory=list)  # rows in each of those steps
     window_steps: list[int] = field(default_factory=list)
     step_batch_sizes: list[int] = field(default_factory=list)
+    later_step_batches: list[int] = field(default_factory=list)  # the same for steps after their window's first
     first_step_tokens: list[int] = field(default_factory=list)  # tokens fed to each window's first forward
     queue_times_s: list[float] = field(default_factory=list)  # arrival -> first scheduled, once per request
 
@@ -88,7 +89,7 @@ class CoreStats:
 
 
 _SAMPLE_LISTS = ("gaps_s", "boundary_gaps_s", "decode_step_s", "decode_step_batch", "window_steps",
-                 "step_batch_sizes", "first_step_tokens", "queue_times_s")
+                 "step_batch_sizes", "later_step_batches", "first_step_tokens", "queue_times_s")
 
 
 class EngineCore:
@@ -318,6 +319,8 @@ class EngineCore:
         batch = rows.append_batch(tokens)
         self.stats.num_generated_tokens += len(outputs) + (len(tokens) - tokens.count(-1))
         self.stats.step_batch_sizes.append(len(tokens))
+        if step.step > 1:  # (a window's first is in first_step_tokens; under overlap it may come a window late)
+            self.stats.later_step_batches.append(len(tokens))
         emit(StepOutputs(outputs, time.monotonic(), batch))
 
     def _complete(self, plan: WindowPlan, rows: "_WindowRows", timings: WindowTimings, schedule_s: float,

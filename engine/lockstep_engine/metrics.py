@@ -116,8 +116,7 @@ class CoreMetrics:
                 self._gap(phase, boundary, timed.gap_s)
         for tokens in stats.first_step_tokens:
             s.observe(n.STEP_TOKENS, (first,), tokens)
-        # step_batch_sizes has one entry per delivered step; the first step's tokens are counted above.
-        for batch in stats.step_batch_sizes[1:]:
+        for batch in stats.later_step_batches:  # each delivered step after its window's first
             s.observe(n.STEP_TOKENS, ("decode",), batch)
         if timings.num_steps:
             s.observe(n.WINDOW_STEPS, (), timings.num_steps)
@@ -125,7 +124,8 @@ class CoreMetrics:
             s.observe(n.QUEUE_TIME, (), max(seconds, 0.0))
         for phase, seconds in (("schedule", stats.schedule_s - self._schedule_s), ("prepare", timings.prepare_s),
                                ("pythonize", timings.output_s), ("update", stats.update_s - self._update_s)):
-            s.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
+            if timings.num_steps:  # not for steps a finished window's tail delivered with no window after it
+                s.observe(n.HOST_PHASE, (phase,), max(seconds, 0.0))
         s.inc(n.WASTED_TOKENS, (), stats.num_wasted_tokens - self._wasted)
         s.inc(n.WINDOW_CUTS, (), stats.num_cut_windows - self._cuts)
         s.inc(n.OVERLAPPED_WINDOWS, (), stats.num_overlapped_windows - self._overlapped)

@@ -32,6 +32,7 @@ def _window(core, metrics: CoreMetrics, prompt_tokens: int, batch: int, boundary
     stats.num_prompt_tokens_computed += prompt_tokens
     stats.first_step_tokens.append(prompt_tokens + (0 if prompt_tokens else batch))
     stats.step_batch_sizes += [batch] * N
+    stats.later_step_batches += [batch] * (N - 1)
     stats.schedule_s += 1e-4
     stats.update_s += 2e-5
     if prompt_tokens:
