@@ -217,8 +217,7 @@ class EngineCore:
         A request only ends when one of its sequences does, so only those requests are looked at.
         """
         released, self._pending_release = self._pending_release, []
-        for seq in released:  # blocks filled by steps delivered since its last window's end enter the cache first
-            self.blocks.register_computed_blocks(seq)
+        for seq in released:  # (its computed blocks enter the prefix cache first: `Scheduler.finish`)
             self.scheduler.finish(seq, seq.status)
         for request in dict.fromkeys(seq.request for seq in released):
             done = request.is_finished or request.aborted and all(s.is_finished for s in request.sequences)

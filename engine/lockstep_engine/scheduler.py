@@ -173,7 +173,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Ends a sequence (stop, length or abort) and releases its blocks."""
+        """Ends a sequence (stop, length or abort) and releases its blocks, the full ones it computed
+        entering the prefix cache first (`complete_rows` leaves a finished sequence's to here)."""
         seq.status = status
         self._aged.discard(seq.seq_id)
         try:
@@ -183,6 +184,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self.blocks.register_computed_blocks(seq)
         self.blocks.free(seq)
         self._release_slot(seq)
 
@@ -371,7 +373,7 @@ class Scheduler:
 
         With `unhashed`, a running sequence that filled a block is appended to it instead of entering
         the prefix cache now: the caller hashes its blocks later (`BlockManager.register_computed_blocks`),
-        once the next window runs. A finished one registers now, before its blocks are released."""
+        once the next window runs. A finished one registers when it is released (`finish`)."""
         blocks = self.blocks
         size, caching = blocks.block_size, blocks.enable_prefix_caching
         wasted = 0
@@ -384,11 +386,9 @@ class Scheduler:
             # A row that sampled every step did not finish early: most rows look no further.
             if num_sampled < executed and row.samples and seq.is_finished:
                 wasted += executed - num_sampled
-            # Only a block the window filled enters the prefix cache: most decode windows fill none. A
-            # sequence that finished in this window registers too (its blocks are still held here and
-            # released after): a short request's prompt is computed in the window it ends in.
-            if caching and computed >= (seq.num_hashed_blocks + 1) * size:
-                if unhashed is None or seq.is_finished:
+            # Only a block the window filled enters the prefix cache: most decode windows fill none.
+            if caching and computed >= (seq.num_hashed_blocks + 1) * size and not seq.is_finished:
+                if unhashed is None:
                     blocks.register_computed_blocks(seq)
                 else:
                     unhashed.append(seq)

@@ -297,6 +297,7 @@ def test_complete_rows_advances_every_row_registers_filled_blocks_and_counts_was
     scheduler = _scheduler(budget=16)
     for name, prompt_len in (("early", 4), ("full", 4), ("chunk", 40)):
         scheduler.add_request(_request(name, prompt_len))
+    scheduler.waiting[0].token_ids[:4] = [9] * 4  # early's prompt block is not full's
     plan = scheduler.schedule()
     early, full, chunk = plan.rows
     assert (early.samples, full.samples, chunk.samples, chunk.num_new_tokens) == (True, True, False, 8)
@@ -305,8 +306,12 @@ def test_complete_rows_advances_every_row_registers_filled_blocks_and_counts_was
     full.seq.token_ids += [7] * 8
     assert scheduler.complete_rows(plan.rows, [2, 8, 0], 8) == 6  # early's 6 steps after its stop
     assert (early.seq.num_computed, full.seq.num_computed, chunk.seq.num_computed) == (5, 11, 8)
-    # every row's full computed blocks enter the prefix cache, the finished row's too
-    assert (early.seq.num_hashed_blocks, full.seq.num_hashed_blocks, chunk.seq.num_hashed_blocks) == (1, 2, 2)
+    # every running row's full computed blocks enter the prefix cache; the finished row's wait for its release
+    assert (early.seq.num_hashed_blocks, full.seq.num_hashed_blocks, chunk.seq.num_hashed_blocks) == (0, 2, 2)
+    scheduler.finish(early.seq, early.seq.status)
+    again = _request("again", 4)
+    again.sequences[0].token_ids[:] = [9, 9, 9, 9, 7, 7]
+    assert early.seq.block_ids == [] and scheduler.blocks.allocate_cached_prefix(again.sequences[0]) == 4
 
 
 def test_auto_shrinks_with_waiting_requests_and_grows_in_steady_decode():
