@@ -332,7 +332,8 @@ class CoreLoop:
                 self._send_failures()  # those of the window's preparation and its last step
                 if timings is not None:
                     self.metrics.record_window(self.core.take_stats(), timings)
-                elif self.core.stats.step_batch_sizes:  # the last window's tail, delivered with no window after it
+                elif self.core.stats.step_batch_sizes or self.core.stats.idle_steps:  # the last window's tail,
+                    # delivered with no window after it, or its device timings, taken as the engine went idle
                     self.metrics.record_window(self.core.take_stats(), WindowTimings())
             self._publish_stats()
             self.writer.prune(self._known_ids())

@@ -28,7 +28,7 @@ from lockstep_engine.block_manager import BlockManager
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.group.executor import Executor
 from lockstep_engine.log import log
-from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_STOP, SpecCounts, StepOutput, WindowTimings
+from lockstep_engine.runner.outputs import FINISH_LENGTH, FINISH_STOP, SpecCounts, StepOutput, StepTiming, WindowTimings
 from lockstep_engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, WindowPlan
 from lockstep_engine.sequence import Request, Sequence, SequenceStatus
 from lockstep_engine.spec_decode.requests import check_speculative
@@ -63,6 +63,9 @@ class CoreStats:
     later_step_batches: list[int] = field(default_factory=list)  # the same for steps after their window's first
     first_step_tokens: list[int] = field(default_factory=list)  # tokens fed to each window's first forward
     queue_times_s: list[float] = field(default_factory=list)  # arrival -> first scheduled, once per request
+    # Device timings taken when the engine went idle (`EngineCore._go_idle`): the last window's last steps,
+    # which its own harvest found still running and no later window would harvest.
+    idle_steps: list[StepTiming] = field(default_factory=list)
 
     def take(self) -> "CoreStats":
         """A snapshot: the counters so far and the samples recorded since the previous `take`, which
@@ -89,7 +92,7 @@ class CoreStats:
 
 
 _SAMPLE_LISTS = ("gaps_s", "boundary_gaps_s", "decode_step_s", "decode_step_batch", "window_steps",
-                 "step_batch_sizes", "later_step_batches", "first_step_tokens", "queue_times_s")
+                 "step_batch_sizes", "later_step_batches", "first_step_tokens", "queue_times_s", "idle_steps")
 
 
 class EngineCore:
@@ -246,9 +249,8 @@ class EngineCore:
             plan = self._prepare(plan)
         schedule_s = time.perf_counter() - started
         if plan is None:
-            self._deliver_tail()
             self._busy = False
-            self.executor.on_idle()
+            self._go_idle()
             return None
         self._note_scheduled(plan)
         rows = _WindowRows(plan.sampling_rows, self._pending_release)
@@ -349,8 +351,18 @@ class EngineCore:
                                              timed.forward_s if timed.tag.phase == "decode" else None)
         stats.update_s += time.perf_counter() - update_start
         if not self._busy:
-            self._deliver_tail()
-            self.executor.on_idle()
+            self._go_idle()
+
+    def _go_idle(self) -> None:
+        """No window follows now: the last window's tail is handed over, and the device timings of its last
+        steps, which its own harvest found running, are taken (`CoreStats.idle_steps`), not left for the
+        next window's harvest, whenever traffic comes back."""
+        self._deliver_tail()
+        self.executor.on_idle()
+        late = self.executor.idle_timings()
+        if late:
+            self.stats.record_timings(WindowTimings(steps=late))
+            self.stats.idle_steps.extend(late)
 
     def _deliver_tail(self) -> None:
         """Hands the last window's last step over now: no window follows to overlap it."""

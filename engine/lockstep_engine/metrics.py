@@ -103,7 +103,7 @@ class CoreMetrics:
         # Device timings, harvested as the device finishes them (a step may land a window late): each
         # carries its own phase and place in its window.
         now = time.monotonic()
-        for timed in timings.steps:
+        for timed in (*timings.steps, *stats.idle_steps):
             phase, boundary = timed.tag.phase, "window_start" if timed.tag.step == 1 else "intra"
             idle = max(timed.gap_s or 0.0, 0.0)
             self._recent_steps.append((now, timed.forward_s, idle))

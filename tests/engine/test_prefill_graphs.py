@@ -4,6 +4,7 @@ table to max_model_len's width. On the CPU `capture_graphs=False` runs each repl
 the static buffers, so the padding and loading are checked against eager steps; on CUDA the graphs are
 captured for real with the Triton backend."""
 
+import gc
 import random
 from dataclasses import replace
 
@@ -101,6 +102,25 @@ def test_auto_uses_the_graphs_when_a_replay_is_at_most_half_the_eager_step():
     assert eager_ms > 0 and replay_ms > 0
     assert wins == (replay_ms <= 0.5 * eager_ms)
     assert wins  # a 2-layer model's eager step is kernel launches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the graph pool is CUDA's")
+def test_decode_graphs_capture_after_auto_leaves_the_prefill_graphs_unused(monkeypatch):
+    """The probe's graph shares the decode graphs' pool: when auto does not use the prefill graphs, the decode
+    windows the warm-up captures next still capture into that pool (a freed probe left it unusable)."""
+    from lockstep_engine.runner import prefill_graphs
+
+    prompts, params = _workload(seed=7, count=6)
+    llm = LLM("random:tiny", **COMMON)
+    runner = llm.engine.executor.runner
+    assert not runner.graphs.graphs  # the probe is the pool's first capture, as in the warm-up
+    monkeypatch.setattr(prefill_graphs, "WIN_RATIO", 0.0)  # no replay wins
+    logged = []
+    assert runner.use_prefill_graphs(logged.append) == 0 and runner.prefill_graphs is None
+    assert len(logged) == 1 and logged[0].endswith("not used (the eager step is device time)")
+    gc.collect()
+    tokens = _tokens(llm, prompts, params)
+    assert runner.graphs.graphs and all(tokens)
 
 
 def test_on_captures_every_bucket_and_a_failed_capture_leaves_the_first_steps_eager(monkeypatch):

@@ -293,3 +293,34 @@ def test_a_step_harvested_a_window_late_keeps_its_own_phase_and_boundary():
     assert set(snapshot.histograms[n.STEP_GAP]) == {("decode", "window_start"), ("decode", "intra")}
     assert snapshot.histograms[n.WINDOW_STEPS][()][1] == 2  # the steps this window executed
     assert core.stats.decode_step_s == core.stats.decode_step_batch == []  # drained as pairs
+
+
+@pytest.mark.parametrize("overlap", (False, True))
+def test_the_last_windows_timings_are_taken_when_the_engine_goes_idle(tiny, overlap):
+    """On a device whose marks complete only once the host waits on a later one (as CUDA's copy events and
+    the forwards before them), a window's own harvest finds its last forwards running; with overlap its last
+    steps are even handed over after it. Once no window follows, the engine takes them then: every forward
+    is timed before new traffic comes (a server's metrics while idle), none twice."""
+    from lockstep_engine.runner.cuda_graphs import DecodeGraphs
+
+    device = FakeDevice()
+    llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=8, num_gpu_blocks_override=256,
+              max_num_seqs=8, async_scheduling=overlap)
+    runner = llm.engine.executor.runner
+    runner.graphs = DecodeGraphs(runner.steps, capture=False)  # the CUDA paths, run on the CPU
+    runner.host_ring = HostRing(allocate=lambda numel, dtype: torch.empty(numel, dtype=dtype),
+                                event_factory=device.mark)
+    runner.clock = StepClock(CPU, mark_factory=device.mark)
+    harvested = []
+    harvest = runner.clock.harvest
+    runner.clock.harvest = lambda: harvested.extend(timings := harvest()) or timings
+    out = llm.generate([{"prompt_token_ids": list(range(300, 311))}],
+                       SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    stats = llm.engine.core.stats
+    assert len(out[0].outputs[0].token_ids) == 40 and stats.num_steps == 40
+    assert [t.tag.step for t in harvested] == [step for _ in range(5) for step in range(1, 9)]
+    if overlap:  # the handed-over steps' forwards: the last window's harvest ran before them
+        assert stats.idle_steps and stats.idle_steps == harvested[-len(stats.idle_steps):]
+    else:  # the window's last step was waited for before its harvest
+        assert stats.idle_steps == []
+    assert len(stats.decode_step_s) == 35 and runner.clock.num_forced_syncs == 0

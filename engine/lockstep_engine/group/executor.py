@@ -25,7 +25,7 @@ from lockstep_engine.group.rendezvous import (DEFAULT_PORT, GroupError, check_la
                                               listen_on_loopback, spawn_local_workers, stop_workers, world_size)
 from lockstep_engine.model_config import ModelConfig
 from lockstep_engine.runner.model_runner import ModelRunner, resolve_device
-from lockstep_engine.runner.outputs import GuideFactory, StepOutput, WindowTimings
+from lockstep_engine.runner.outputs import GuideFactory, StepOutput, StepTiming, WindowTimings
 from lockstep_engine.runner.step_inputs import sampling_arrays
 from lockstep_engine.scheduler import ScheduledSeq, WindowPlan
 from lockstep_engine.sources import resolve
@@ -57,6 +57,8 @@ class Executor(Protocol):
     def check_health(self) -> None: ...  # raises GroupError when a rank is lost
 
     def on_idle(self) -> None: ...  # the engine has no window to run now
+
+    def idle_timings(self) -> list[StepTiming]: ...  # device timings no later window would harvest (idle now)
 
     def shutdown(self) -> None: ...
 
@@ -121,6 +123,9 @@ class LocalExecutor:
 
     def on_idle(self) -> None:
         pass
+
+    def idle_timings(self) -> list[StepTiming]:
+        return self.runner.clock.harvest()
 
     def shutdown(self) -> None:
         pass

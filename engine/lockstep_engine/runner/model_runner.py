@@ -123,6 +123,7 @@ class ModelRunner:
         self._graphs_by_backend: dict[str, DecodeGraphs] = {}
         self.graphs = self._decode_graphs()
         self.prefill_graphs: PrefillGraphs | None = None  # made by use_prefill_graphs (warm-up), when they win
+        self._prefill_probe: PrefillGraphs | None = None  # the last ones use_prefill_graphs made, won or not
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The decode graphs of the current attention backend (None where steps run eagerly)."""
@@ -146,6 +147,10 @@ class ModelRunner:
             return 0
         graphs = PrefillGraphs(self.steps, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                self.graphs.pool, self.graphs.capture)
+        # Its graphs live as long as the runner, used or not: they are captured into the decode graphs' pool,
+        # and a pool whose graphs were all freed while it still holds memory (cuBLAS's workspace) cannot be
+        # captured into again (PyTorch asserts `use_count > 0` at the next decode capture).
+        self._prefill_probe = graphs
         try:
             if self.config.prefill_cuda_graphs == "auto" and self.device.type == "cuda":
                 wins, eager_ms, replay_ms = graphs.launch_bound()
