@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from lockstep_engine import protocol as p
 from lockstep_engine.api import core_launch, metrics
 from lockstep_engine.log import log
 from lockstep_engine.output_processor import OutputProcessor, RequestState
+from lockstep_engine.pipe_sender import PipeSender
 
 WATCHDOG_INTERVAL_S = 0.25
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -128,8 +128,9 @@ class EngineCoreClient:
         self._process = None
         self._core_conn = core_conn  # a core shared with other API servers: the supervisor started it
         self._send_conn = None
-        # A sender thread writes to the pipe, so a core that stopped reading blocks it, not the event loop.
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Messages are written from the event loop without blocking it; a core that stopped reading fills
+        # the pipe, and what does not fit waits in the sender's thread (`PipeSender`).
+        self._sender: PipeSender | None = None
         self._watchdog: asyncio.Task | None = None
         self._columns = p.ColumnCache()  # the core sends a window's token-batch columns once
         self.adapters: dict[str, str] = {}  # registered LoRA adapters, name -> path (the core's `Adapters`)
@@ -158,9 +159,9 @@ class EngineCoreClient:
 
     def _attach(self, recv_conn, send_conn) -> None:
         self._send_conn = send_conn
+        self._sender = PipeSender(send_conn, self._pipe_failed, name="lockstep-core-writer")
         self._last_heard = self._loop_progress_at = time.monotonic()
         threading.Thread(target=self._read, args=(recv_conn,), name="lockstep-core-reader", daemon=True).start()
-        threading.Thread(target=self._write, args=(send_conn,), name="lockstep-core-writer", daemon=True).start()
         self._watchdog = asyncio.create_task(self._watch())
 
     async def wait_ready(self) -> p.CoreReady:
@@ -187,7 +188,7 @@ class EngineCoreClient:
             if self._send_conn is not None and self.dead_reason is None:
                 self._send(p.Shutdown())  # this API server leaves; the core goes on for the others
                 deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-                while not self._outbox.empty() and time.monotonic() < deadline:
+                while self._sender.pending and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
             self._fail_all(EngineDeadError("the server is shutting down"))
             return
@@ -213,8 +214,8 @@ class EngineCoreClient:
         if self.max_requests is not None and len(self._generations) + len(request_ids) > self.max_requests:
             raise EngineBusyError(f"the engine has {len(self._generations)} requests in flight, its limit is "
                                   f"{self.max_requests} (--max-num-seqs + --max-queued-requests); retry later")
-        if self._outbox.qsize() >= MAX_PENDING_SENDS:
-            raise EngineBusyError(f"the engine core is not reading its requests ({self._outbox.qsize()} queued); "
+        if self._sender is not None and self._sender.pending >= MAX_PENDING_SENDS:
+            raise EngineBusyError(f"the engine core is not reading its requests ({self._sender.pending} queued); "
                                   f"retry later")
         sampling = params.to_dict()
         states = [self.processor.add_request(rid, text, ids, params)
@@ -259,19 +260,14 @@ class EngineCoreClient:
             self.processor.remove(rid)
 
     def _send(self, message) -> None:
-        if self._send_conn is not None:
-            self._outbox.put(message)
-
-    def _write(self, conn) -> None:
-        while True:
-            message = self._outbox.get()
-            try:
-                conn.send(message)
-            except (OSError, ValueError, EOFError) as error:
-                self._loop.call_soon_threadsafe(self._mark_dead, f"the engine core pipe is closed ({error})")
-                return
+        if self._sender is not None:
+            self._sender.send(message)
             if isinstance(message, p.Shutdown):
-                return
+                self._sender.close()
+
+    def _pipe_failed(self, error: OSError) -> None:  # from the loop or the sender's thread
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._mark_dead, f"the engine core pipe is closed ({error})")
 
     # ---- what comes back --------------------------------------------------------------------
     def _read(self, conn) -> None:
