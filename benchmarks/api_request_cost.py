@@ -34,26 +34,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: list[int]) -> None:
+async def one(client: httpx.AsyncClient, url: str, prompt: list[int]) -> bool:
+    """Whether the request was served (a connection the server closed under the burst counts as not)."""
     body = {"model": "random:tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for _ in response.aiter_lines():
-            pass
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for _ in response.aiter_lines():
+                pass
+    except httpx.TransportError:
+        return False
+    return True
 
 
-async def burst(url: str, requests: int, concurrency: int, prompt_tokens: int) -> float:
+async def burst(url: str, requests: int, concurrency: int, prompt_tokens: int) -> tuple[float, int]:
+    """(wall seconds, requests not served)."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
-        async def limited(i: int) -> None:
+        async def limited(i: int) -> bool:
             async with gate:
-                await one(client, url, [i % 500 + 1] * prompt_tokens)
+                return await one(client, url, [i % 500 + 1] * prompt_tokens)
 
         started = time.perf_counter()
-        await asyncio.gather(*(limited(i) for i in range(requests)))
-        return time.perf_counter() - started
+        served = await asyncio.gather(*(limited(i) for i in range(requests)))
+        return time.perf_counter() - started, served.count(False)
 
 
 def measure(tree: str | None, args) -> list[dict]:
@@ -74,8 +80,8 @@ def measure(tree: str | None, args) -> list[dict]:
         rows = []
         for _ in range(args.rounds):
             before = cpu_seconds(server.process.pid)
-            wall = asyncio.run(burst(server.url, args.requests, args.concurrency, args.prompt_tokens))
-            rows.append({"tree": tree or "this", "wall_s": wall,
+            wall, failed = asyncio.run(burst(server.url, args.requests, args.concurrency, args.prompt_tokens))
+            rows.append({"tree": tree or "this", "wall_s": wall, "failed": failed,
                          "api_cpu_ms_per_request": (cpu_seconds(server.process.pid) - before) / args.requests * 1e3})
         return rows
     finally:
@@ -96,11 +102,13 @@ def main() -> int:
         for tree in args.trees:
             rows += measure(tree, args)
             print(f"[api_request_cost] {rows[-args.rounds:]}", file=sys.stderr, flush=True)
-    print("| tree | bursts | API CPU ms per request (each burst) | median |")
-    print("|---|---|---|---|")
+    print("| tree | bursts | API CPU ms per request (each burst) | median | requests not served |")
+    print("|---|---|---|---|---|")
     for tree in dict.fromkeys(row["tree"] for row in rows):
-        costs = [row["api_cpu_ms_per_request"] for row in rows if row["tree"] == tree]
-        print(f"| {tree} | {len(costs)} | {', '.join(f'{c:.2f}' for c in costs)} | {statistics.median(costs):.2f} |")
+        own = [row for row in rows if row["tree"] == tree]
+        costs = [row["api_cpu_ms_per_request"] for row in own]
+        print(f"| {tree} | {len(costs)} | {', '.join(f'{c:.2f}' for c in costs)} | {statistics.median(costs):.2f} | "
+              f"{sum(row['failed'] for row in own)} |")
     return 0
 
 
