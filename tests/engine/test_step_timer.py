@@ -296,7 +296,7 @@ def test_a_step_harvested_a_window_late_keeps_its_own_phase_and_boundary():
 
 
 @pytest.mark.parametrize("overlap", (False, True))
-def test_the_last_windows_timings_are_taken_when_the_engine_goes_idle(tiny, overlap):
+def test_the_last_windows_timings_are_taken_when_the_engine_goes_idle(tiny, overlap, monkeypatch):
     """On a device whose marks complete only once the host waits on a later one (as CUDA's copy events and
     the forwards before them), a window's own harvest finds its last forwards running; with overlap its last
     steps are even handed over after it. Once no window follows, the engine takes them then: every forward
@@ -306,14 +306,15 @@ def test_the_last_windows_timings_are_taken_when_the_engine_goes_idle(tiny, over
     device = FakeDevice()
     llm = LLM("random:tiny", share_model_with=tiny, num_scheduler_steps=8, num_gpu_blocks_override=256,
               max_num_seqs=8, async_scheduling=overlap)
-    runner = llm.engine.executor.runner
-    runner.graphs = DecodeGraphs(runner.steps, capture=False)  # the CUDA paths, run on the CPU
-    runner.host_ring = HostRing(allocate=lambda numel, dtype: torch.empty(numel, dtype=dtype),
-                                event_factory=device.mark)
-    runner.clock = StepClock(CPU, mark_factory=device.mark)
+    runner = llm.engine.executor.runner  # the shared model's: what is changed here is put back after
+    monkeypatch.setattr(runner, "graphs", DecodeGraphs(runner.steps, capture=False))  # the CUDA paths, on the CPU
+    monkeypatch.setattr(runner, "host_ring", HostRing(allocate=lambda numel, dtype: torch.empty(numel, dtype=dtype),
+                                                      event_factory=device.mark))
+    clock = StepClock(CPU, mark_factory=device.mark)
+    monkeypatch.setattr(runner, "clock", clock)
     harvested = []
-    harvest = runner.clock.harvest
-    runner.clock.harvest = lambda: harvested.extend(timings := harvest()) or timings
+    harvest = clock.harvest
+    clock.harvest = lambda: harvested.extend(timings := harvest()) or timings
     out = llm.generate([{"prompt_token_ids": list(range(300, 311))}],
                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     stats = llm.engine.core.stats
@@ -323,4 +324,4 @@ def test_the_last_windows_timings_are_taken_when_the_engine_goes_idle(tiny, over
         assert stats.idle_steps and stats.idle_steps == harvested[-len(stats.idle_steps):]
     else:  # the window's last step was waited for before its harvest
         assert stats.idle_steps == []
-    assert len(stats.decode_step_s) == 35 and runner.clock.num_forced_syncs == 0
+    assert len(stats.decode_step_s) == 35 and clock.num_forced_syncs == 0
