@@ -23,10 +23,11 @@ def servers(log_dir):
         # default; off by default on the CPU), so its windows and counter are measured as a GPU serves them.
         "main": Server(log_dir, "random:tiny", "--num-scheduler-steps", "8", "--max-model-len", "1024",
                        "--num-gpu-blocks-override", "1024", "--async-scheduling"),
-        # 12 KV blocks of 16 tokens and 2 seats: concurrent requests wait, and two long ones preempt.
+        # 12 KV blocks of 16 tokens and 2 seats: concurrent requests wait, and two long ones preempt. On the
+        # CPU wherever the tests run: on a GPU the four requests end before a scrape sees any of them wait.
         "small_cache": Server(log_dir, "random:tiny", "--num-scheduler-steps", "4", "--max-model-len", "1024",
                               "--num-gpu-blocks-override", "12", "--block-size", "16", "--max-num-seqs", "2",
-                              name="serve-small-cache"),
+                              "--device", "cpu", name="serve-small-cache"),
     }
     try:
         for server in started.values():
