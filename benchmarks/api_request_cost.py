@@ -25,13 +25,7 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "api"))
 from api_harness import Server  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+from lockstep.bench.gateway import cpu_seconds  # noqa: E402
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: list[int]) -> bool:
@@ -79,10 +73,10 @@ def measure(tree: str | None, args) -> list[dict]:
         asyncio.run(burst(server.url, 200, args.concurrency, args.prompt_tokens))  # imports, allocations
         rows = []
         for _ in range(args.rounds):
-            before = cpu_seconds(server.process.pid)
+            before = cpu_seconds([server.process.pid])
             wall, failed = asyncio.run(burst(server.url, args.requests, args.concurrency, args.prompt_tokens))
             rows.append({"tree": tree or "this", "wall_s": wall, "failed": failed,
-                         "api_cpu_ms_per_request": (cpu_seconds(server.process.pid) - before) / args.requests * 1e3})
+                         "api_cpu_ms_per_request": (cpu_seconds([server.process.pid]) - before) / args.requests * 1e3})
         return rows
     finally:
         server.stop()
