@@ -18,6 +18,7 @@
 #   bash benchmarks/h200_diag.sh served8b  # random:llama-3-8b served at rate inf, default flags, 4 client processes
 #   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and the default only
 #   bash benchmarks/h200_diag.sh variant   # carrying .whl/variant (this tree with a change): smollm2 served, this tree then it
+#   bash benchmarks/h200_diag.sh ab        # carrying .whl/variant: smollm2 served, this tree / variant / variant / this tree
 #   bash benchmarks/h200_diag.sh overlap-tail   # carrying .whl/variant: overlap and decode-graph tests on CUDA, then
 #       `variant` twice (QUICK=1: the overlap tests, then `variant` once)
 #   bash benchmarks/h200_diag.sh splits-served   # carrying .whl/prev (an older tree, git archive): the Triton
@@ -117,6 +118,17 @@ variant)  # carrying .whl/variant (this tree changed, copied there): random:smol
         && served_small 200 "variant=")
     [ -n "${VARIANT_FIRST:-}" ] && served_small 200 "head="
     ;;
+ab)  # carrying .whl/variant (this tree changed, copied there): random:smollm2-135m served in the order this tree,
+    # the variant, the variant, this tree (each in $OUT/<n>_<name>/), then one line per run
+    n=0
+    for who in head variant variant head; do
+        n=$((n + 1)); dir=$OUT/${n}_$who; mkdir -p "$dir"
+        if [ "$who" = head ]; then (export OUT=$dir && served_small 150 "head=") >/dev/null 2>&1
+        else (cd .whl/variant && export OUT=$dir PYTHONPATH=/tmp/site:$PWD:$PWD/engine:$PWD/gateway \
+            && served_small 150 "variant=") >/dev/null 2>&1; fi
+        (export OUT=$dir && runs) | cut -c1-400
+    done
+    ;;
 overlap-tail)  # carrying .whl/variant (this tree with another TAIL_STEPS): the overlap and decode-graph tests on
     # CUDA, then random:smollm2-135m served by this tree and the variant, twice, alternating
     # QUICK=1: the overlap tests alone, and one round
@@ -127,7 +139,7 @@ overlap-tail)  # carrying .whl/variant (this tree with another TAIL_STEPS): the 
     done
     ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|overlap-tail|tiles|served8b" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|ab|overlap-tail|tiles|served8b" >&2
     exit 2
     ;;
 esac

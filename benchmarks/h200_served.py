@@ -234,6 +234,11 @@ def bench(server: Server, label: str, out: str, num_prompts: int, rate: float, v
     queries = after["prefix_queries"] - before["prefix_queries"]
     # The request with the most output tokens: at rate inf its own chain of decode steps can set the run's length
     longest = max(range(len(result["output_lens"])), key=result["output_lens"].__getitem__, default=None)
+    # Per request, for the intake question (when each request's first token came against its length):
+    # output tokens, TTFT and end-to-end seconds, in the client's order.
+    with open(os.path.join(out, f"requests_{_slug(label)}.json"), "w") as handle:
+        json.dump({"output_lens": result["output_lens"], "ttfts": [round(t, 4) for t in result["ttfts"]],
+                   "e2els": [round(t + sum(gaps), 4) for t, gaps in zip(result["ttfts"], result["itls"])]}, handle)
     row = {
         "label": label, "requests": result["completed"], "failed": result["failed"], "rate": rate,
         "duration_s": result["duration"], "req_per_s": result["request_throughput"],

@@ -3,9 +3,10 @@
 It spawns the core, sends it `lockstep_engine.protocol` messages and turns what comes back into per-request
 events on the asyncio loop. Detokenization and stop strings happen here, in the API process, through
 the engine's `OutputProcessor`; a stop string found here is sent back so the core stops computing.
-A reader thread blocks on the pipe so the event loop never does; a watchdog marks the core dead when
-its process exits, its heartbeat stops, or its loop stops making progress, and every request in
-flight then ends with an error instead of hanging.
+The event loop reads the core's pipe when it is readable (`PipeReader`: no reader thread, whose turns
+at the GIL would hold up every socket write the loop makes); a watchdog marks the core dead when its
+process exits, its heartbeat stops, or its loop stops making progress, and every request in flight then
+ends with an error instead of hanging.
 
 With `--api-server-count N` the supervisor (entrypoints/api_servers.py) spawns the core and gives each
 API server one end of a duplex pipe to it (`core_conn`): nothing is spawned here, the core's death reads as
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +25,7 @@ from lockstep_engine import protocol as p
 from lockstep_engine.api import core_launch, metrics
 from lockstep_engine.log import log
 from lockstep_engine.output_processor import OutputProcessor, RequestState
+from lockstep_engine.pipe_reader import PipeReader
 from lockstep_engine.pipe_sender import PipeSender
 
 WATCHDOG_INTERVAL_S = 0.25
@@ -131,6 +132,7 @@ class EngineCoreClient:
         # Messages are written from the event loop without blocking it; a core that stopped reading fills
         # the pipe, and what does not fit waits in the sender's thread (`PipeSender`).
         self._sender: PipeSender | None = None
+        self._reader: PipeReader | None = None
         self._watchdog: asyncio.Task | None = None
         self._columns = p.ColumnCache()  # the core sends a window's token-batch columns once
         self.adapters: dict[str, str] = {}  # registered LoRA adapters, name -> path (the core's `Adapters`)
@@ -161,7 +163,7 @@ class EngineCoreClient:
         self._send_conn = send_conn
         self._sender = PipeSender(send_conn, self._pipe_failed, name="lockstep-core-writer")
         self._last_heard = self._loop_progress_at = time.monotonic()
-        threading.Thread(target=self._read, args=(recv_conn,), name="lockstep-core-reader", daemon=True).start()
+        self._reader = PipeReader(recv_conn, self._loop, self._on_message, self._pipe_closed)
         self._watchdog = asyncio.create_task(self._watch())
 
     async def wait_ready(self) -> p.CoreReady:
@@ -191,6 +193,7 @@ class EngineCoreClient:
                 while self._sender.pending and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
             self._fail_all(EngineDeadError("the server is shutting down"))
+            self._stop_reading()
             return
         if self.dead_reason is None:
             self._send(p.Shutdown())
@@ -202,8 +205,13 @@ class EngineCoreClient:
             process.join(5.0)
         stop_processes([process], timeout_s=5.0)
         self._fail_all(EngineDeadError("the server is shutting down"))
+        self._stop_reading()
         if self._send_conn is not None:
             self._send_conn.close()
+
+    def _stop_reading(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, request_ids: list[str], prompts: list[list[int]], params, prompt_texts: list[str | None],
@@ -270,15 +278,8 @@ class EngineCoreClient:
             self._loop.call_soon_threadsafe(self._mark_dead, f"the engine core pipe is closed ({error})")
 
     # ---- what comes back --------------------------------------------------------------------
-    def _read(self, conn) -> None:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._mark_dead, "the engine core process exited")
-                return
-            received_at = self._last_heard = time.monotonic()  # here: a loop behind on its callbacks is no silent core
-            self._loop.call_soon_threadsafe(self._on_message, message, received_at)
+    def _pipe_closed(self, reason: str) -> None:  # end of file, or a read error
+        self._mark_dead("the engine core process exited")
 
     def _on_message(self, message, received_at: float) -> None:
         self._last_heard = max(self._last_heard, received_at)
@@ -366,12 +367,20 @@ class EngineCoreClient:
                 self._mark_dead(f"the engine core process exited with code {self._process.exitcode}")
             elif self.ready is None:
                 continue  # loading: the startup timeout applies
-            elif now - self._last_heard > self.timeouts.heartbeat_s:
+            elif now - self._last_heard > self.timeouts.heartbeat_s and not self._heard_now():
                 self._mark_dead(f"no heartbeat from the engine core for {now - self._last_heard:.1f} s")
             elif now - self._loop_progress_at > self.timeouts.loop_stall_s:
                 self._mark_dead(f"the engine core loop made no progress for {now - self._loop_progress_at:.1f} s")
             elif now - self._last_output_at >= WATCHDOG_INTERVAL_S:  # while tokens flow, no wait can be over
                 self._expire_idle(now)
+
+    def _heard_now(self) -> bool:
+        """Whether the pipe holds news the loop has not read yet (a loop held up past the heartbeat timeout
+        runs this check before the reader's turn): a loop behind on its callbacks is no silent core."""
+        heard = self._last_heard
+        if self._reader is not None:
+            self._reader.read_available()
+        return self._last_heard > heard
 
     def _expire_idle(self, now: float) -> None:
         """Ends each `Generation.wait` whose timeout passed with the engine silent since the wait began."""
