@@ -24,6 +24,7 @@ import time
 import traceback
 from dataclasses import asdict
 
+from lockstep_common.gc_heap import freeze_startup_heap
 from lockstep_engine import protocol as p
 from lockstep_engine.config import EngineConfig
 from lockstep_engine.core_clients import ClientRouter
@@ -412,6 +413,7 @@ def _serve(config, pipes: list[tuple]) -> None:
                             tokenizer=tokenizer))
     if core.scheduler.adapters is not None:
         writer.send(p.Adapters(core.scheduler.adapters.listing(), core.scheduler.adapters.max_loras))
+    freeze_startup_heap()  # the model, the cache's bookkeeping and the warm-up stay: full collections skip them
     try:
         loop.run()
     except Exception:

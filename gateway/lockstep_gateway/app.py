@@ -25,6 +25,7 @@ import httpx
 from fastapi import FastAPI, Request
 from lockstep_common.anthropic_errors import AnthropicRoutes
 from lockstep_common.errors import error_body, route_not_found
+from lockstep_common.gc_heap import freeze_startup_heap
 from lockstep_common.large_body import LARGE_BODY_BYTES, BodyLimits, LargeBodyReader
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -377,6 +378,7 @@ def build_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.start()
+        freeze_startup_heap()  # the app and the imports stay: full collections walk what serving allocates
         try:
             yield
         finally:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from lockstep_common.anthropic_errors import AnthropicRoutes
+from lockstep_common.gc_heap import freeze_startup_heap
 from lockstep_common.health_listener import request_id as listener_request_id
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -153,6 +154,7 @@ class ServerState:
                 f"the KV cache there is --kv-cache-memory-bytes (default 2 GiB)")
         log(f"engine core ready (pid {ready.pid}, {ready.num_blocks} KV blocks of {ready.block_size}, "
             f"num_scheduler_steps={ready.num_scheduler_steps}, max_model_len={ready.max_model_len})")
+        freeze_startup_heap()  # the app, the tokenizer and the imports stay: full collections skip them
 
     def _core_died(self, reason: str) -> None:
         """Fatal: requests in flight have failed; the process exits non-zero so its supervisor restarts it."""
