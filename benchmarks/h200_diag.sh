@@ -19,6 +19,8 @@
 #   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and the default only
 #   bash benchmarks/h200_diag.sh variant   # carrying .whl/variant (this tree with a change): smollm2 served, this tree then it
 #   bash benchmarks/h200_diag.sh ab        # carrying .whl/variant: smollm2 served, this tree / variant / variant / this tree
+#   bash benchmarks/h200_diag.sh norm-linear   # LOCKSTEP_NORM_LINEAR=1 against the default: tests, decode profiles,
+#       random:smollm2-135m served off / on / on / off
 #   bash benchmarks/h200_diag.sh overlap-tail   # carrying .whl/variant: overlap and decode-graph tests on CUDA, then
 #       `variant` twice (QUICK=1: the overlap tests, then `variant` once)
 #   bash benchmarks/h200_diag.sh splits-served   # carrying .whl/prev (an older tree, git archive): the Triton
@@ -129,6 +131,24 @@ ab)  # carrying .whl/variant (this tree changed, copied there): random:smollm2-1
         (export OUT=$dir && runs) | cut -c1-400
     done
     ;;
+norm-linear)  # the fused norm + projection kernels (LOCKSTEP_NORM_LINEAR=1) against the default: their tests on
+    # CUDA, decode_profile.py on both models off and on (kernels/norm_linear.py counts in the GEMM group),
+    # then random:smollm2-135m served off, on, on, off
+    gpu_tests 150 tests/kernels/test_norm_linear.py tests/kernels/test_fused.py
+    for model in random:smollm2-135m random:llama-3-8b; do
+        for v in 0 1; do
+            LOCKSTEP_NORM_LINEAR=$v OUT=$OUT/profile_${model#random:}_$v timeout 100 python3 benchmarks/decode_profile.py \
+                --model $model 2>"$OUT/decode_profile_${model#random:}_$v.log" >"$OUT/decode_${model#random:}_$v.md"
+            echo "== decode_profile $model LOCKSTEP_NORM_LINEAR=$v exit $?"; grep -i 'gemm\|step' "$OUT/decode_${model#random:}_$v.md"
+        done
+    done
+    n=0
+    for v in 0 1 1 0; do
+        n=$((n + 1)); (export OUT=$OUT/${n}_nl$v LOCKSTEP_NORM_LINEAR=$v && mkdir -p "$OUT" && served_small 150 "nl$v=") \
+            >/dev/null 2>&1
+        (export OUT=$OUT/${n}_nl$v && runs) | cut -c1-300
+    done
+    ;;
 overlap-tail)  # carrying .whl/variant (this tree with another TAIL_STEPS): the overlap and decode-graph tests on
     # CUDA, then random:smollm2-135m served by this tree and the variant, twice, alternating
     # QUICK=1: the overlap tests alone, and one round
@@ -139,7 +159,7 @@ overlap-tail)  # carrying .whl/variant (this tree with another TAIL_STEPS): the 
     done
     ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|ab|overlap-tail|tiles|served8b" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|ab|norm-linear|overlap-tail|tiles|served8b" >&2
     exit 2
     ;;
 esac

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep_engine.log import log
 from lockstep_engine.parallel import ParallelState, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -167,6 +168,28 @@ def _fused_kernels():
 def fused_kernels_for(x: torch.Tensor):
     """The fused kernels module for a tensor on CUDA (None on the CPU or when they are off)."""
     return _fused_kernels() if x.is_cuda else None
+
+
+# "1": a decoder layer's add + RMSNorm + projection (and the MLP's SiLU-and-mul) as one kernel on CUDA,
+# `kernels/norm_linear.py`. Off by default until measured against cuBLAS on a GPU (read once per process).
+NORM_LINEAR_ENV = "LOCKSTEP_NORM_LINEAR"
+NORM_LINEAR_MAX_TOKENS = 512  # above it (prefill chunks) the layer keeps cuBLAS's GEMMs, tuned for large ones
+
+
+@functools.cache
+def _norm_linear_kernels():
+    if os.environ.get(NORM_LINEAR_ENV) != "1" or _fused_kernels() is None:
+        return None
+    from lockstep_engine.kernels import norm_linear
+    log(f"{NORM_LINEAR_ENV}=1: decoder layers of at most {NORM_LINEAR_MAX_TOKENS} tokens run add + RMSNorm + "
+        f"projection as one kernel on CUDA")
+    return norm_linear
+
+
+def norm_linear_for(x: torch.Tensor):
+    """`kernels.norm_linear` for a layer input on CUDA of at most NORM_LINEAR_MAX_TOKENS tokens when switched
+    on; None otherwise (the unfused layer)."""
+    return _norm_linear_kernels() if x.is_cuda and x.shape[0] <= NORM_LINEAR_MAX_TOKENS else None
 
 
 class RMSNorm(nn.Module):

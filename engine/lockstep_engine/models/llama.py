@@ -11,7 +11,8 @@ from torch import nn
 
 from lockstep_engine.attention import AttentionMetadata
 from lockstep_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, silu_and_mul)
+                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, norm_linear_for,
+                                    silu_and_mul)
 from lockstep_engine.model_config import ModelConfig
 from lockstep_engine.parallel import ParallelState
 
@@ -29,8 +30,11 @@ class LlamaAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), meta)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything after the qkv projection: rotary, the cache write, attention, o_proj."""
+        tokens = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -65,6 +69,14 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's layout: the residual stream travels beside `hidden` (the last sublayer's output) and
         each norm adds the two, so the add runs inside the fused norm. The first layer gets residual None."""
+        fused = norm_linear_for(hidden) if self._fusable() else None
+        if fused is not None:  # each norm inside the projection after it; SiLU-and-mul inside gate_up's
+            attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+            qkv, residual = fused.norm_linear(hidden, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight)
+            hidden = attn.attend(positions, qkv, meta)
+            gated, residual = fused.norm_linear(hidden, residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
+                                                silu_mul=True)
+            return mlp.down_proj(gated), residual
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -72,6 +84,11 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _fusable(self) -> bool:
+        """Whether the fused norm + projection kernels can stand in: no qkv bias, no LoRA on the projections."""
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        return qkv.bias is None and qkv.lora is None and gate_up.lora is None
 
 
 class LlamaModel(nn.Module):
