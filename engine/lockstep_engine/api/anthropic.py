@@ -23,13 +23,13 @@ from typing import Any, AsyncIterator, Optional, Union
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from lockstep_common.anthropic_errors import anthropic_error_body
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from lockstep_engine.api import reasoning, tools
 from lockstep_engine.api.client import EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.errors import bad_request
 from lockstep_engine.api.openai_models import ChatCompletionRequest, OpenAIModel
-from lockstep_engine.api.sse import SSE_HEADERS
+from lockstep_engine.api.sse import SSE_HEADERS, EventStreamResponse
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # vLLM's sampling extras, read from the body as on the chat endpoint (the `anthropic` SDK sends them as extra_body).
@@ -379,7 +379,7 @@ async def create_message(serving, body: MessagesRequest, request: Request):
     reply = _Reply(_new_id("msg"), body.model or serving.model_name, generation, tool_call, parser,
                    stream=reasoning.ReasoningStream(parser) if parser else None)
     if body.stream:
-        return StreamingResponse(_events(serving, reply), media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(_events(serving, reply), media_type="text/event-stream", headers=SSE_HEADERS)
     await serving._wait_finished(reply, request)  # the chat path's wait: disconnects, timeouts, core errors
     return JSONResponse(reply.finished_message())
 

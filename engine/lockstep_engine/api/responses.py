@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from lockstep_engine.api import reasoning, tools
 from lockstep_engine.api.client import EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.errors import APIError, error_body
 from lockstep_engine.api.responses_input import ResponsesRequest, chat_request, check_supported, text_format
-from lockstep_engine.api.sse import SSE_HEADERS
+from lockstep_engine.api.sse import SSE_HEADERS, EventStreamResponse
 
 # Chat-path field names in error messages, as this endpoint calls them.
 _FIELD_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
@@ -313,7 +313,7 @@ async def create_response(serving, body: ResponsesRequest, request: Request):
     reply = _Reply(body, fmt, _new_id("resp"), int(time.time()), body.model or serving.model_name, generation,
                    params.temperature, params.top_p, tool_call, getattr(serving, "reasoning_parser", None))
     if body.stream:
-        return StreamingResponse(_events(serving, reply), media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(_events(serving, reply), media_type="text/event-stream", headers=SSE_HEADERS)
     await serving._wait_finished(reply, request)  # the chat path's wait: disconnects, timeouts, core errors
     status = _status(reply.sequence.finish_reason)
     return JSONResponse(reply.response(status, reply.output(status)))

@@ -15,14 +15,14 @@ from typing import AsyncIterator, Callable
 
 from jinja2 import TemplateError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from lockstep_common.max_tokens import requested_max_tokens
 from lockstep_engine.protocol import TokenLogprobs
 from lockstep_engine.api import extras, metrics, reasoning, structured, tools
 from lockstep_engine.api.client import EngineBusyError, EngineCoreClient, EngineDeadError, Generation, RequestRejected
-from lockstep_engine.api.sse import (SSE_DONE, SSE_HEADERS, ClientGone, message_text, sse, take_delta, usage,
-                                     watch_disconnect)
+from lockstep_engine.api.sse import (SSE_DONE, SSE_HEADERS, ClientGone, EventStreamResponse, message_text, sse,
+                                     take_delta, usage, watch_disconnect)
 from lockstep_engine.api.errors import APIError, bad_request, error_body, refused_unstarted
 from lockstep_engine.api.grammar_check import GrammarChecker
 from lockstep_engine.api.large_text import LARGE_TEXT_CHARS, LargeTextEncoder
@@ -293,7 +293,7 @@ class OpenAIServing:
                    bool(body.stream_options and body.stream_options.include_usage), params.logprobs, bool(body.echo))
         job.continuous_usage, job.render = extras.continuous_usage(body), extras.token_renderer(body, self.token_str)
         if body.stream:
-            return StreamingResponse(self._stream(job, self._completion_chunks), media_type="text/event-stream",
+            return EventStreamResponse(self._stream(job, self._completion_chunks), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         await self._wait_finished(job, request)
         choices = []
@@ -369,7 +369,7 @@ class OpenAIServing:
         if self.reasoning_parser is not None:
             job.reasoning = reasoning.ReasoningStream(self.reasoning_parser)
         if body.stream:
-            return StreamingResponse(self._stream(job, self._chat_chunks, self._chat_role_chunks(job)),
+            return EventStreamResponse(self._stream(job, self._chat_chunks, self._chat_role_chunks(job)),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         await self._wait_finished(job, request)
         choices = []

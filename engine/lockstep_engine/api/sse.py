@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from lockstep_engine.api.client import Generation
 from lockstep_engine.api.errors import bad_request
@@ -19,6 +21,39 @@ def sse(payload: dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """A `text/event-stream` response whose client disconnect cancels the stream, as Starlette's does, without
+    an anyio task group per response: one watcher task waits for `http.disconnect` and cancels the task
+    that streams. A cancel it did not make (the server's) still propagates."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        streaming = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            streaming.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone or streaming.uncancel() > 0:
+                raise
+        finally:
+            watcher.cancel()
+        if self.background is not None:
+            await self.background()
 
 
 class ClientGone(Exception):
