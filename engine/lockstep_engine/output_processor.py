@@ -107,7 +107,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(seq.finished for seq in self.sequences)
+        sequences = self.sequences
+        return sequences[0].finished if len(sequences) == 1 else all(seq.finished for seq in sequences)
 
 
 class OutputProcessor:

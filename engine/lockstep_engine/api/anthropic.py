@@ -29,7 +29,7 @@ from lockstep_engine.api import reasoning, tools
 from lockstep_engine.api.client import EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.errors import bad_request
 from lockstep_engine.api.openai_models import ChatCompletionRequest, OpenAIModel
-from lockstep_engine.api.sse import SSE_HEADERS, EventStreamResponse
+from lockstep_engine.api.sse import SSE_HEADERS, EventStreamResponse, compact_json
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # vLLM's sampling extras, read from the body as on the chat endpoint (the `anthropic` SDK sends them as extra_body).
@@ -258,7 +258,7 @@ class _Reply:
 
 def event(kind: str, **fields) -> str:
     payload = {"type": kind, **fields}
-    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"event: {kind}\ndata: {compact_json(payload)}\n\n"
 
 
 def error_event(status: int, message: str) -> str:

@@ -68,8 +68,9 @@ class Generation:
     timed_out: bool = False  # set by the client's watchdog (`EngineCoreClient._expire_idle`)
 
     @property
-    def finished(self) -> bool:
-        return all(state.finished for state in self.states)
+    def finished(self) -> bool:  # asked several times per streamed chunk
+        states = self.states
+        return states[0].finished if len(states) == 1 else all(state.finished for state in states)
 
     async def wait(self, timeout_s: float) -> None:
         """Waits for news (tokens, a finish or an error); raises on an error or a timeout. The timeout

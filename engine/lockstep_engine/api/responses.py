@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import time
 import uuid
@@ -26,7 +25,7 @@ from lockstep_engine.api import reasoning, tools
 from lockstep_engine.api.client import EngineDeadError, Generation, RequestRejected
 from lockstep_engine.api.errors import APIError, error_body
 from lockstep_engine.api.responses_input import ResponsesRequest, chat_request, check_supported, text_format
-from lockstep_engine.api.sse import SSE_HEADERS, EventStreamResponse
+from lockstep_engine.api.sse import SSE_HEADERS, EventStreamResponse, compact_json
 
 # Chat-path field names in error messages, as this endpoint calls them.
 _FIELD_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
@@ -125,7 +124,7 @@ class _Reply:
     def event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"event: {kind}\ndata: {compact_json(payload)}\n\n"
 
     def error_event(self, status: int, message: str, param: str | None = None) -> str:
         """OpenAI's `error` event; its `error` object also makes the openai SDK raise APIError mid-stream."""

@@ -16,8 +16,12 @@ from lockstep_engine.api.openai_models import ChatMessage
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# One encoder for every event: json.dumps builds a new encoder per call unless every option is its default.
+compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {compact_json(payload)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
