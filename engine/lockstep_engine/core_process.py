@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue
 import random
 import signal
@@ -76,8 +77,8 @@ class _Writer(threading.Thread):
                 message = p.Heartbeat(time.monotonic(), self.loop.progress_at, self.loop.stats_snapshot)
             elif isinstance(message, p.StepOutputs) and message.batch is not None:
                 message = p.StepOutputs(message.outputs, message.emitted_at, self.columns.strip(message.batch))
-            try:
-                self.conn.send(message)
+            try:  # Connection.send's framing; plain pickle, not ForkingPickler's per-call copy of its reducer table
+                self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
             except (OSError, EOFError, ValueError):  # the API server is gone
                 self._lose()
                 return
