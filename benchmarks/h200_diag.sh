@@ -39,6 +39,7 @@ for row in json.load(open(sys.argv[1])).get("runs", []):
                                    "busy_by_phase", "forwards_by_phase", "gap_by_boundary", "windows", "steps",
                                    "overlapped_windows", "longest_output_ttft_s", "longest_output_e2el_s", "duration_s")})
 PY
+    ls "$OUT"/requests_*.json >/dev/null 2>&1 && python3 benchmarks/intake_report.py "$OUT"/requests_*.json
 }
 
 gpu_tests() {  # SECONDS FILES...: the GPU test files, their last lines
