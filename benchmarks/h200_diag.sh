@@ -19,8 +19,8 @@
 #   bash benchmarks/h200_diag.sh prefill-graphs-quick   # the same with the prefill-graph tests and the default only
 #   bash benchmarks/h200_diag.sh variant   # carrying .whl/variant (this tree with a change): smollm2 served, this tree then it
 #   bash benchmarks/h200_diag.sh ab        # carrying .whl/variant: smollm2 served, this tree / variant / variant / this tree
-#   bash benchmarks/h200_diag.sh norm-linear   # LOCKSTEP_NORM_LINEAR=1 against the default: tests, decode profiles,
-#       random:smollm2-135m served off / on / on / off
+#   bash benchmarks/h200_diag.sh norm-linear   # LOCKSTEP_NORM_LINEAR=1 against the default: tests, tile sweep,
+#       decode profiles; norm-linear-served: random:smollm2-135m served off / on / on / off
 #   bash benchmarks/h200_diag.sh overlap-tail   # carrying .whl/variant: overlap and decode-graph tests on CUDA, then
 #       `variant` twice (QUICK=1: the overlap tests, then `variant` once)
 #   bash benchmarks/h200_diag.sh splits-served   # carrying .whl/prev (an older tree, git archive): the Triton
@@ -133,19 +133,23 @@ ab)  # carrying .whl/variant (this tree changed, copied there): random:smollm2-1
     done
     ;;
 norm-linear)  # the fused norm + projection kernels (LOCKSTEP_NORM_LINEAR=1) against the default: their tests on
-    # CUDA, decode_profile.py on both models off and on (kernels/norm_linear.py counts in the GEMM group),
-    # then random:smollm2-135m served off, on, on, off
-    gpu_tests 150 tests/kernels/test_norm_linear.py tests/kernels/test_fused.py
+    # CUDA, the per-projection tile sweep (benchmarks/norm_linear_sweep.py), decode_profile.py on both models off
+    # and on (kernels/norm_linear.py counts in the GEMM group)
+    gpu_tests 120 tests/kernels/test_norm_linear.py tests/kernels/test_fused.py
+    timeout 180 python3 benchmarks/norm_linear_sweep.py >"$OUT/norm_linear_sweep.md" 2>"$OUT/norm_linear_sweep.log"
+    echo "== norm_linear_sweep exit $?"; cat "$OUT/norm_linear_sweep.md"
     for model in random:smollm2-135m random:llama-3-8b; do
         for v in 0 1; do
-            LOCKSTEP_NORM_LINEAR=$v OUT=$OUT/profile_${model#random:}_$v timeout 100 python3 benchmarks/decode_profile.py \
+            LOCKSTEP_NORM_LINEAR=$v OUT=$OUT/profile_${model#random:}_$v timeout 70 python3 benchmarks/decode_profile.py \
                 --model $model 2>"$OUT/decode_profile_${model#random:}_$v.log" >"$OUT/decode_${model#random:}_$v.md"
             echo "== decode_profile $model LOCKSTEP_NORM_LINEAR=$v exit $?"; grep -i 'gemm\|step' "$OUT/decode_${model#random:}_$v.md"
         done
     done
+    ;;
+norm-linear-served)  # random:smollm2-135m served with LOCKSTEP_NORM_LINEAR off, on, on, off
     n=0
     for v in 0 1 1 0; do
-        n=$((n + 1)); (export OUT=$OUT/${n}_nl$v LOCKSTEP_NORM_LINEAR=$v && mkdir -p "$OUT" && served_small 150 "nl$v=") \
+        n=$((n + 1)); (export OUT=$OUT/${n}_nl$v LOCKSTEP_NORM_LINEAR=$v && mkdir -p "$OUT" && served_small 140 "nl$v=") \
             >/dev/null 2>&1
         (export OUT=$OUT/${n}_nl$v && runs) | cut -c1-300
     done
@@ -160,7 +164,7 @@ overlap-tail)  # carrying .whl/variant (this tree with another TAIL_STEPS): the 
     done
     ;;
 *)
-    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|ab|norm-linear|overlap-tail|tiles|served8b" >&2
+    echo "usage: bash benchmarks/h200_diag.sh spy|prefill|prefill-graphs|prefill-graphs-quick|sweep|splits|splits-served|variant|ab|norm-linear|norm-linear-served|overlap-tail|tiles|served8b" >&2
     exit 2
     ;;
 esac

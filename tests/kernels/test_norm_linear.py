@@ -159,3 +159,15 @@ def test_a_models_logits_with_the_fused_layers_match_the_unfused_ones(monkeypatc
     fused = prefill_logits(model, prompts)
     assert calls == [15] * c.num_hidden_layers  # every layer took the fused path
     torch.testing.assert_close(fused, unfused, atol=1e-4, rtol=1e-4)
+
+
+def test_a_tile_shape_given_is_used_and_gives_the_same_result():
+    """benchmarks/norm_linear_sweep.py times other tiles through `config`: they must compute the same thing."""
+    x, residual = randn(20, 96, dtype=torch.float32, seed=12), randn(20, 96, dtype=torch.float32, seed=13)
+    norm_weight, weight = torch.ones(96), randn(80, 96, dtype=torch.float32, seed=14, scale=0.1)
+    args = (x.to(DEVICE), residual.to(DEVICE), norm_weight.to(DEVICE), EPS, weight.to(DEVICE), True)
+    default, _ = norm_linear(*args)
+    other = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=2, num_stages=1)
+    assert other != tiles(20, 40, torch.float32)
+    tiled, _ = norm_linear(*args, config=other)
+    torch.testing.assert_close(tiled, default, atol=1e-5, rtol=1e-5)

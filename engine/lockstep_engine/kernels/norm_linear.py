@@ -116,10 +116,12 @@ def tiles(tokens: int, width: int, dtype: torch.dtype) -> dict:
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                weight: torch.Tensor, silu_mul: bool = False, config: dict | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [tokens, hidden] (rows may be strided, the last dim contiguous); norm_weight: [hidden];
     weight: [width, hidden] (`[2 * I, hidden]` with silu_mul). Returns (y, h): y [tokens, width] (or
-    [tokens, I]) and h = x + residual (x itself without a residual), new tensors in x's dtype."""
+    [tokens, I]) and h = x + residual (x itself without a residual), new tensors in x's dtype. `config`:
+    a tile shape instead of `tiles()`'s (benchmarks/norm_linear_sweep.py)."""
     tokens, hidden = x.shape
     if weight.shape[1] != hidden or weight.stride(1) != 1:
         raise ValueError(f"weight must be [width, {hidden}] with contiguous rows, got {tuple(weight.shape)} "
@@ -132,7 +134,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         h = torch.empty_like(x, memory_format=torch.contiguous_format)
     if tokens:
-        config = tiles(tokens, width, x.dtype)
+        config = config or tiles(tokens, width, x.dtype)
         grid = (triton.cdiv(tokens, config["BLOCK_M"]), triton.cdiv(width, config["BLOCK_N"]))
         source = residual if residual is not None else x
         _norm_linear_kernel[grid](
