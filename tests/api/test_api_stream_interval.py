@@ -44,8 +44,10 @@ def test_chunks_hold_up_to_interval_tokens_and_the_text_is_the_unstreamed_text(s
     assert sum(tokens_per_chunk) == max_tokens
     assert finish == whole.choices[0].finish_reason == "length"
     assert usage.completion_tokens == max_tokens and usage.prompt_tokens == len(prompt)
-    # The first token alone; then wake-ups every INTERVAL tokens (a slow reader may join several)
-    assert tokens_per_chunk[0] == 1
+    # The first token wakes the stream at once, later ones every INTERVAL tokens (test_wake_ups_follow_the_interval
+    # below). The loop reads what the core sent since its last turn in one go, so a wake-up may find a few steps'
+    # tokens, the first's too: chunks hold what was there, never more than an interval's worth beyond it.
+    assert tokens_per_chunk[0] <= INTERVAL
     assert len(tokens_per_chunk) <= 1 + -(-(max_tokens - 1) // INTERVAL)
     if max_tokens > 1 + INTERVAL:
         assert max(tokens_per_chunk[1:]) >= INTERVAL  # chunks were joined, not one per token
@@ -65,3 +67,25 @@ def test_samples_of_one_request_all_finish_with_their_text(server):
                 finishes[choice.index] = choice.finish_reason
     assert finishes == {0: "length", 1: "length", 2: "length"}
     assert usage.completion_tokens == 33
+
+
+def test_wake_ups_follow_the_interval():
+    """Which outputs wake a stream (`EngineCoreClient._announce`): the first token, then every INTERVAL-th,
+    then the end or a stop string, whatever arrives between them."""
+    from lockstep_engine.api.client import EngineCoreClient, Generation
+
+    client = EngineCoreClient(config=None, stream_interval=INTERVAL)
+
+    class State:
+        finished = False
+
+    state = State()
+    generation = Generation(["r"], [state])
+    woke = [client._announce(generation, stopping=False) for _ in range(9)]
+    assert woke == [True, False, False, False, True, False, False, False, True]
+    assert client._announce(generation, stopping=True)  # a stop string found: its text goes out now
+    generation.unannounced = 0
+    state.finished = True
+    assert client._announce(generation, stopping=False)  # the end, whatever the count
+    every = EngineCoreClient(config=None, stream_interval=1)
+    assert all(every._announce(Generation(["s"], [State()]), stopping=False) for _ in range(3))
