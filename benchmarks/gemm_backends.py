@@ -35,21 +35,27 @@ def log(message: str) -> None:
 
 def time_linear(x: torch.Tensor, w: torch.Tensor, repeats: int) -> float:
     """Seconds per F.linear(x, w)."""
-    calls = 20
     if x.device.type != "cuda":
+        calls = 20
         started = time.perf_counter()
         for _ in range(calls):
             F.linear(x, w)
         return (time.perf_counter() - started) / calls
+    return graph_seconds(lambda: F.linear(x, w), repeats)
+
+
+def graph_seconds(fn, repeats: int, calls: int = 20) -> float:
+    """Seconds per fn() as CUDA-graph replays (warmed up on a side stream, then `calls` calls a graph, median
+    of `repeats` replays), so the host's launch overhead does not count."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(3):
-            F.linear(x, w)
+            fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            F.linear(x, w)
+            fn()
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -17,12 +17,12 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from gemm_backends import graph_seconds  # benchmarks/ is on sys.path when run as a script
 from lockstep_engine.kernels import fused
 from lockstep_engine.kernels.norm_linear import norm_linear, tiles
 
@@ -37,32 +37,6 @@ EPS = 1e-5
 
 def log(message: str) -> None:
     print(f"[norm_linear_sweep] {message}", file=sys.stderr, flush=True)
-
-
-def graph_time(fn, repeats: int) -> float:
-    """Seconds per fn() as CUDA-graph replays."""
-    calls = 20
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
 
 
 def sweep_configs(default: dict, quick: bool):
@@ -101,16 +75,16 @@ def main() -> int:
                 y = F.linear(normed, weight)
                 return fused.silu_and_mul(y) if silu_mul else y
 
-            base = graph_time(unfused, args.repeats)
+            base = graph_seconds(unfused, args.repeats)
             default = tiles(batch, width, dtype)
-            default_s = graph_time(lambda: norm_linear(x, residual, norm_weight, EPS, weight, silu_mul), args.repeats)
+            default_s = graph_seconds(lambda: norm_linear(x, residual, norm_weight, EPS, weight, silu_mul), args.repeats)
             expected = unfused().float()
             best, best_s = default, default_s
             for config in sweep_configs(default, args.quick):
                 try:
                     out, _ = norm_linear(x, residual, norm_weight, EPS, weight, silu_mul, config=config)
                     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
-                    seconds = graph_time(lambda: norm_linear(x, residual, norm_weight, EPS, weight, silu_mul,
+                    seconds = graph_seconds(lambda: norm_linear(x, residual, norm_weight, EPS, weight, silu_mul,
                                                              config=config), args.repeats)
                 except Exception as error:  # a tile that does not fit the shared memory, say
                     log(f"{model} {name} {batch}: {config} skipped ({type(error).__name__})")

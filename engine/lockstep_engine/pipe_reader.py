@@ -20,13 +20,13 @@ import asyncio
 import os
 import pickle
 import socket
-import stat
 import struct
 import time
 import traceback
 from typing import Callable
 
 from lockstep_engine.log import log
+from lockstep_engine.pipe_sender import unblocked_descriptor
 
 READ_SIZE = 256 * 1024  # bytes asked for per read
 READ_BUDGET = 1024 * 1024  # bytes read in one turn of the loop
@@ -41,14 +41,7 @@ class PipeReader:
         `on_message(message, received_at)`: each message, `received_at` the `time.monotonic()` of its read.
         `on_closed(reason)`: called once when the other side is gone (end of file or a read error)."""
         self._conn = conn  # held: a Connection closes its descriptor when it is collected
-        fd = conn.fileno()
-        self._socket = None
-        if stat.S_ISSOCK(os.fstat(fd).st_mode):
-            self._socket = socket.socket(fileno=os.dup(fd))
-            self._fd = self._socket.fileno()
-        else:
-            self._fd = fd
-            os.set_blocking(fd, False)
+        self._socket, self._fd = unblocked_descriptor(conn)
         self._loop = loop
         self._on_message = on_message
         self._on_closed = on_closed

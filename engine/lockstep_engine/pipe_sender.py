@@ -29,18 +29,23 @@ WAIT_S = 1.0  # the sender thread's wait for room in the pipe, between checks th
 _CLOSE = object()
 
 
+def unblocked_descriptor(conn) -> tuple[socket.socket | None, int]:
+    """(socket or None, descriptor) to use a `Connection`'s pipe or socket without blocking, leaving its blocking
+    mode as other threads see it: a socket is duplicated (use it with MSG_DONTWAIT; close it when done), a
+    pipe end, which no other thread uses, is made non-blocking."""
+    fd = conn.fileno()
+    if stat.S_ISSOCK(os.fstat(fd).st_mode):
+        sock = socket.socket(fileno=os.dup(fd))
+        return sock, sock.fileno()
+    os.set_blocking(fd, False)
+    return None, fd
+
+
 class PipeSender:
     def __init__(self, conn, on_error: Callable[[OSError], None], name: str = "lockstep-pipe-sender"):
         """`conn`: a `multiprocessing.Connection` (its descriptor; the object stays the caller's to close).
         `on_error`: called once, from the thread that found it, when the other side is gone."""
-        fd = conn.fileno()
-        self._socket = None
-        if stat.S_ISSOCK(os.fstat(fd).st_mode):
-            self._socket = socket.socket(fileno=os.dup(fd))
-            self._fd = self._socket.fileno()
-        else:
-            self._fd = fd
-            os.set_blocking(fd, False)
+        self._socket, self._fd = unblocked_descriptor(conn)
         self._on_error = on_error
         self._failed = False  # the other side is gone, or `close` was called: later messages are dropped
         self._lock = threading.Lock()

@@ -69,8 +69,8 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's layout: the residual stream travels beside `hidden` (the last sublayer's output) and
         each norm adds the two, so the add runs inside the fused norm. The first layer gets residual None."""
-        fused = norm_linear_for(hidden) if self._fusable() else None
-        if fused is not None:  # each norm inside the projection after it; SiLU-and-mul inside gate_up's
+        fused = norm_linear_for(hidden)  # None on the CPU and unless switched on: the check below is skipped
+        if fused is not None and self._fusable():  # each norm inside the projection after it; SiLU-and-mul in gate_up's
             attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
             qkv, residual = fused.norm_linear(hidden, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight)
             hidden = attn.attend(positions, qkv, meta)
